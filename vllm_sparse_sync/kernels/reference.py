@@ -1,0 +1,197 @@
+"""Torch reference kernels of the decode indexer: the oracle for every other kernel.
+
+They run on any device (the CPU included) and favour clarity over speed: work is bounded by
+the live lengths, so they stay usable for small and medium shapes. Layouts and semantics are
+those of DESIGN.md section 4:
+
+* K cache page (``page_size`` tokens): ``uint8 [num_pages, page_size * (head_dim + 4)]``,
+  planar: ``page_size x head_dim`` e4m3 bytes, then ``page_size`` fp32 per-token scales.
+* ``logit[r, t] = k_scale[t] * sum_h w[r, h] * relu(q[r, h, :] . k[t, :])``, fp32.
+* A position is live when ``t < min(row_len[r], active_width[0], pages * page_size)`` and its
+  page id is in ``[0, num_pages)``; other positions score ``-inf``.
+* Top-k: ``int32 [rows, k]``, valid entries first (score descending, ties to the lower
+  position), ``-1`` padding; a row of effective length ``<= k`` gives exactly ``0..len-1``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+SCALE_BYTES = 4
+
+
+def _check(cond: bool, name: str, what: str) -> None:
+    if not cond:
+        raise ValueError(f"{name}: {what}")
+
+
+def page_bytes(page_size: int, head_dim: int = 128) -> int:
+    """Bytes of one K cache page."""
+    return page_size * (head_dim + SCALE_BYTES)
+
+
+def page_size_of(k_cache: torch.Tensor, head_dim: int = 128) -> int:
+    """Tokens per page of a ``[num_pages, page_size * (head_dim + 4)]`` uint8 cache."""
+    _check(k_cache.dtype == torch.uint8, "k_cache", f"must be uint8, got {k_cache.dtype}")
+    _check(k_cache.dim() == 2, "k_cache", f"must be 2-D [num_pages, page_bytes], got {tuple(k_cache.shape)}")
+    row = k_cache.shape[1]
+    _check(row % (head_dim + SCALE_BYTES) == 0, "k_cache",
+           f"row of {row} bytes is not a multiple of head_dim + 4 = {head_dim + SCALE_BYTES}")
+    return row // (head_dim + SCALE_BYTES)
+
+
+def quantize_index_k(k: torch.Tensor, *, pow2_scale: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token e4m3 quantization of indexer keys ``[T, D]`` -> ``(k_fp8 [T, D], k_scale [T] fp32)``.
+
+    ``scale = max(amax, 1e-4) / 448``, rounded up to a power of two when ``pow2_scale`` (ue8m0,
+    as vLLM stores it); ``k ~= k_fp8 * scale``.
+    """
+    _check(k.dim() == 2, "k", f"must be 2-D [tokens, head_dim], got {tuple(k.shape)}")
+    _check(k.is_floating_point(), "k", f"must be floating point, got {k.dtype}")
+    kf = k.float()
+    scale = kf.abs().amax(dim=1).clamp_min(1e-4) / FP8_MAX
+    if pow2_scale:
+        scale = torch.exp2(torch.ceil(torch.log2(scale)))
+    k_fp8 = (kf / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return k_fp8, scale.contiguous()
+
+
+def split_index_k_cache(k_cache: torch.Tensor, head_dim: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views of a K cache as ``(k_fp8 [pages, page, D], k_scale [pages, page] fp32)`` (copies)."""
+    page = page_size_of(k_cache, head_dim)
+    n = k_cache.shape[0]
+    values = k_cache[:, : page * head_dim].reshape(n, page, head_dim).contiguous().view(FP8_DTYPE)
+    scales = k_cache[:, page * head_dim :].contiguous().view(torch.float32).reshape(n, page)
+    return values, scales
+
+
+def write_index_k_cache(
+    k_cache: torch.Tensor, k_fp8: torch.Tensor, k_scale: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Scatter quantized keys into the planar page layout, in place; slots ``< 0`` are skipped."""
+    _check(k_fp8.dim() == 2, "k_fp8", f"must be 2-D [tokens, head_dim], got {tuple(k_fp8.shape)}")
+    head_dim = k_fp8.shape[1]
+    page = page_size_of(k_cache, head_dim)
+    _check(k_cache.is_contiguous(), "k_cache", "must be contiguous")
+    _check(k_fp8.dtype == FP8_DTYPE, "k_fp8", f"must be {FP8_DTYPE}, got {k_fp8.dtype}")
+    _check(k_scale.dtype == torch.float32 and k_scale.shape == (k_fp8.shape[0],), "k_scale",
+           f"must be float32 [{k_fp8.shape[0]}], got {k_scale.dtype} {tuple(k_scale.shape)}")
+    _check(slot_mapping.shape == (k_fp8.shape[0],), "slot_mapping",
+           f"must have one slot per token ({k_fp8.shape[0]}), got {tuple(slot_mapping.shape)}")
+    slots = slot_mapping.long()
+    keep = slots >= 0
+    slots, vals, scales = slots[keep], k_fp8[keep], k_scale[keep]
+    _check(bool((slots < k_cache.shape[0] * page).all()), "slot_mapping",
+           f"slot past the cache ({k_cache.shape[0]} pages of {page})")
+    row_bytes = k_cache.shape[1]
+    base = (slots // page) * row_bytes
+    off = slots % page
+    flat = k_cache.view(-1)
+    d = torch.arange(head_dim, device=k_cache.device)
+    flat[(base + off * head_dim)[:, None] + d] = vals.contiguous().view(torch.uint8)
+    s = torch.arange(SCALE_BYTES, device=k_cache.device)
+    scale_bytes = scales.contiguous().view(torch.uint8).view(-1, SCALE_BYTES)
+    flat[(base + page * head_dim + off * SCALE_BYTES)[:, None] + s] = scale_bytes
+
+
+def effective_lengths(
+    row_lens: torch.Tensor, width: int, active_width: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Per-row live length ``min(row_len, active_width[0], width)``, clamped at 0 (int64)."""
+    eff = row_lens.long().clamp(min=0, max=width)
+    if active_width is not None:
+        eff = torch.minimum(eff, active_width.long().reshape(-1)[:1].clamp_min(0))
+    return eff
+
+
+def _check_scorer_inputs(q_fp8, weights, k_cache, block_table, row_lens, active_width) -> None:
+    _check(q_fp8.dim() == 3, "q_fp8", f"must be 3-D [rows, heads, head_dim], got {tuple(q_fp8.shape)}")
+    _check(q_fp8.dtype == FP8_DTYPE, "q_fp8", f"must be {FP8_DTYPE}, got {q_fp8.dtype}")
+    rows, heads, _ = q_fp8.shape
+    _check(weights.shape == (rows, heads), "weights",
+           f"must be [rows, heads] = {(rows, heads)}, got {tuple(weights.shape)}")
+    _check(weights.dtype == torch.float32, "weights", f"must be float32, got {weights.dtype}")
+    _check(block_table.dim() == 2 and block_table.shape[0] == rows, "block_table",
+           f"must be [rows={rows}, pages], got {tuple(block_table.shape)}")
+    _check(row_lens.shape == (rows,), "row_lens", f"must be [rows={rows}], got {tuple(row_lens.shape)}")
+    if active_width is not None:
+        _check(active_width.numel() == 1, "active_width",
+               f"must hold one element, got {tuple(active_width.shape)}")
+
+
+def paged_indexer_logits(
+    q_fp8: torch.Tensor,
+    weights: torch.Tensor,
+    k_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    row_lens: torch.Tensor,
+    width: int,
+    *,
+    active_width: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Indexer scores ``fp32 [rows, width]`` over a paged fp8 K cache; ``-inf`` past each row's live length."""
+    _check_scorer_inputs(q_fp8, weights, k_cache, block_table, row_lens, active_width)
+    _check(int(width) >= 0, "width", f"must be >= 0, got {width}")
+    head_dim = q_fp8.shape[2]
+    page = page_size_of(k_cache, head_dim)
+    values, scales = split_index_k_cache(k_cache, head_dim)
+    num_pages = k_cache.shape[0]
+    rows = q_fp8.shape[0]
+    out = torch.full((rows, int(width)), float("-inf"), dtype=torch.float32, device=q_fp8.device)
+    eff = effective_lengths(row_lens, min(int(width), block_table.shape[1] * page), active_width)
+    for r, n in enumerate(eff.tolist()):
+        if n == 0:
+            continue
+        t = torch.arange(n, device=q_fp8.device)
+        pages = block_table[r, t // page].long()
+        ok = (pages >= 0) & (pages < num_pages)
+        safe = pages.clamp(0, max(num_pages - 1, 0))
+        k = values[safe, t % page].float()  # [n, D]
+        s = scales[safe, t % page]
+        dots = q_fp8[r].float() @ k.T  # [H, n]
+        logit = (weights[r][:, None] * dots.clamp_min(0)).sum(0) * s
+        out[r, :n] = torch.where(ok, logit, torch.full_like(logit, float("-inf")))
+    return out
+
+
+def topk_indices(
+    logits: torch.Tensor, row_lens: torch.Tensor, k: int, *, active_width: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Top-``k`` positions per row ``int32 [rows, k]`` among the row's live positions, ``-1`` padded."""
+    _check(logits.dim() == 2, "logits", f"must be 2-D [rows, width], got {tuple(logits.shape)}")
+    _check(row_lens.shape == (logits.shape[0],), "row_lens",
+           f"must be [rows={logits.shape[0]}], got {tuple(row_lens.shape)}")
+    _check(int(k) > 0, "k", f"must be > 0, got {k}")
+    rows, width = logits.shape
+    out = torch.full((rows, k), -1, dtype=torch.int32, device=logits.device)
+    eff = effective_lengths(row_lens, width, active_width)
+    for r, n in enumerate(eff.tolist()):
+        if n <= k:
+            out[r, :n] = torch.arange(n, dtype=torch.int32, device=logits.device)
+        else:
+            order = torch.sort(logits[r, :n].float(), descending=True, stable=True).indices
+            out[r] = order[:k].to(torch.int32)
+    return out
+
+
+def indexer_topk(
+    q_fp8: torch.Tensor,
+    weights: torch.Tensor,
+    k_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    row_lens: torch.Tensor,
+    k: int,
+    *,
+    active_width: torch.Tensor | None = None,
+    width: int | None = None,
+) -> torch.Tensor:
+    """The whole decode indexer step: score, then select (``int32 [rows, k]``)."""
+    page = page_size_of(k_cache, q_fp8.shape[2])
+    if width is None:
+        width = block_table.shape[1] * page
+    logits = paged_indexer_logits(
+        q_fp8, weights, k_cache, block_table, row_lens, width, active_width=active_width
+    )
+    return topk_indices(logits, row_lens, k, active_width=active_width)
