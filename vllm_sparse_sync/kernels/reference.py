@@ -131,7 +131,7 @@ def paged_indexer_logits(
     *,
     active_width: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Indexer scores ``fp32 [rows, width]`` over a paged fp8 K cache; ``-inf`` past each row's live length."""
+    """Indexer scores ``fp32 [rows, width]`` over a paged fp8 K cache; ``-inf`` past live lengths."""
     _check_scorer_inputs(q_fp8, weights, k_cache, block_table, row_lens, active_width)
     _check(int(width) >= 0, "width", f"must be >= 0, got {width}")
     head_dim = q_fp8.shape[2]
