@@ -1,3 +1,19 @@
 """vllm-sparse-sync: sync-free sparse-attention indexer metadata, kernels, and a host-sync harness."""
 
+from .bounds import BoundSource, DecodeTopkBound, SeqLenShadow, decode_topk_bound
+from .layout import IndexerBackend, IndexerLayout
+from .metadata import DecodeBatch, IndexerDecodeMetadata, IndexerMetadataBuilder
+
 __version__ = "0.1.0"
+
+__all__ = [
+    "BoundSource",
+    "DecodeBatch",
+    "DecodeTopkBound",
+    "IndexerBackend",
+    "IndexerDecodeMetadata",
+    "IndexerLayout",
+    "IndexerMetadataBuilder",
+    "SeqLenShadow",
+    "decode_topk_bound",
+]

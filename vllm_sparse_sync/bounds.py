@@ -1,0 +1,210 @@
+"""The decode top-k bound: the host scalar a scorer/top-k needs, chosen without device reads.
+
+The rules are the table of DESIGN.md section 2, written as one table (``SOURCE_RULES``) plus
+one value function per source. Every value is in the kernel's coordinates: per decode token,
+compressed rows when ``compress_ratio > 1``, DCP-local when ``dcp_world_size > 1``. Invariant:
+the value is never below the true maximum of the device row lengths.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from .layout import IndexerBackend, IndexerLayout
+from .lengths import compress, compress_ceil, dcp_localize, kernel_lengths
+
+
+class BoundSource(str, enum.Enum):
+    """Where a decode top-k bound came from."""
+
+    CPU_EXACT = "cpu_exact"
+    """Exact maximum from an authoritative CPU seq-len shadow."""
+    CPU_DCP_LOCAL = "cpu_dcp_local"
+    """Exact maximum of this rank's DCP-local lengths, from the CPU shadow."""
+    ACTIVE_WIDTH = "active_width"
+    """B12X graph-stable live-window bound ``ceil(max_seq_len / ratio)`` (>= exact)."""
+    METADATA_UPPER_BOUND = "metadata_upper_bound"
+    """The scheduler's host upper bound ``max_seq_len`` in kernel coordinates (>= exact)."""
+    CAPTURE_STABLE = "capture_stable"
+    """Derived from ``max_model_len`` alone, for CUDA-graph capture (>= any live length)."""
+    LEGACY_DEVICE_SYNC = "legacy_device_sync"
+    """The old ``int(seq_lens.max().item())`` host read; only when asked for explicitly."""
+
+    @property
+    def is_exact(self) -> bool:
+        """True for sources that equal the true maximum."""
+        return self in (BoundSource.CPU_EXACT, BoundSource.CPU_DCP_LOCAL,
+                        BoundSource.LEGACY_DEVICE_SYNC)
+
+
+@dataclass(frozen=True)
+class DecodeTopkBound:
+    """A host bound on the decode rows' kernel lengths and where it came from."""
+
+    value: int
+    source: BoundSource
+
+
+@dataclass(frozen=True)
+class SeqLenShadow:
+    """The runner's CPU copy of the decode requests' lengths (uncompressed tokens).
+
+    ``seq_lens_cpu`` has one int32 entry per request and counts this step's query tokens.
+    ``authoritative`` is False under async scheduling with speculative decode, where the copy
+    is an optimistic upper bound. ``dcp_local_seq_lens_cpu`` (optional) holds this rank's
+    local lengths per request.
+    """
+
+    seq_lens_cpu: torch.Tensor
+    authoritative: bool = True
+    dcp_local_seq_lens_cpu: torch.Tensor | None = None
+
+
+# (backend, compressed, exact shadow usable) -> source. DCP turns CPU_EXACT into CPU_DCP_LOCAL.
+SOURCE_RULES: dict[tuple[IndexerBackend, bool, bool], BoundSource] = {
+    (IndexerBackend.B12X, True, True): BoundSource.ACTIVE_WIDTH,
+    (IndexerBackend.B12X, True, False): BoundSource.ACTIVE_WIDTH,
+    (IndexerBackend.B12X, False, True): BoundSource.CPU_EXACT,
+    (IndexerBackend.B12X, False, False): BoundSource.ACTIVE_WIDTH,
+    (IndexerBackend.DEEPGEMM, True, True): BoundSource.METADATA_UPPER_BOUND,
+    (IndexerBackend.DEEPGEMM, True, False): BoundSource.METADATA_UPPER_BOUND,
+    (IndexerBackend.DEEPGEMM, False, True): BoundSource.CPU_EXACT,
+    (IndexerBackend.DEEPGEMM, False, False): BoundSource.METADATA_UPPER_BOUND,
+}
+
+
+def _localize(layout: IndexerLayout, rows: int) -> int:
+    return dcp_localize(rows, layout.dcp_world_size, layout.dcp_rank, layout.cp_interleave)
+
+
+def capture_stable_bound(layout: IndexerLayout) -> int:
+    """Kernel-row bound from ``max_model_len`` alone: ``local(ceil(max_model_len / ratio))``."""
+    return _localize(layout, compress_ceil(layout.max_model_len, layout.compress_ratio))
+
+
+def _active_width(layout: IndexerLayout, max_seq_len: int, live: list[int]) -> int:
+    return _localize(layout, compress_ceil(max_seq_len, layout.compress_ratio))
+
+
+def _metadata_upper_bound(layout: IndexerLayout, max_seq_len: int, live: list[int]) -> int:
+    # Rows are floor(L / ratio) with L <= max_seq_len, so floor(max_seq_len / ratio) bounds them.
+    return _localize(layout, compress(max_seq_len, layout.compress_ratio))
+
+
+def _cpu_exact(layout: IndexerLayout, max_seq_len: int, live: list[int]) -> int:
+    # The longest token of a request has the request's full length, so max over requests is exact.
+    return max((kernel_lengths(n, layout.compress_ratio, layout.dcp_world_size, layout.dcp_rank,
+                               layout.cp_interleave) for n in live), default=0)
+
+
+_VALUE_OF: dict[BoundSource, Callable[[IndexerLayout, int, list[int]], int]] = {
+    BoundSource.ACTIVE_WIDTH: _active_width,
+    BoundSource.METADATA_UPPER_BOUND: _metadata_upper_bound,
+    BoundSource.CPU_EXACT: _cpu_exact,
+    BoundSource.CPU_DCP_LOCAL: _cpu_exact,
+}
+
+
+def _host_int_tensor(name: str, t: object, *, dims: int = 1) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: must be a CPU torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cpu":
+        raise ValueError(
+            f"{name}: must live on the CPU (a host shadow), got a {t.device.type} tensor; "
+            "reading a device tensor here would synchronize the host"
+        )
+    if t.dtype not in (torch.int32, torch.int64) or t.dim() != dims:
+        raise ValueError(f"{name}: must be a {dims}-D int32 tensor, got {t.dtype} {tuple(t.shape)}")
+    return t
+
+
+def query_lens_from_start_loc(query_start_loc_cpu: torch.Tensor) -> list[int]:
+    """Validated decode query lengths from the CPU prefix sum (``n + 1`` entries)."""
+    qsl = _host_int_tensor("query_start_loc_cpu", query_start_loc_cpu)
+    if qsl.numel() < 1:
+        raise ValueError("query_start_loc_cpu: needs n + 1 >= 1 entries, got 0")
+    starts = qsl.tolist()
+    if starts[0] != 0:
+        raise ValueError(f"query_start_loc_cpu: must start at 0, got {starts[0]}")
+    q = [b - a for a, b in zip(starts, starts[1:])]
+    if any(x < 0 for x in q):
+        raise ValueError("query_start_loc_cpu: must be non-decreasing (negative query length)")
+    return q
+
+
+def validated_shadow_lengths(
+    shadow: SeqLenShadow, query_lens: list[int], max_seq_len: int
+) -> list[int]:
+    """The shadow's per-request lengths, checked against the query lengths and ``max_seq_len``."""
+    n = len(query_lens)
+    lens_t = _host_int_tensor("shadow.seq_lens_cpu", shadow.seq_lens_cpu)
+    if lens_t.shape[0] < n:
+        raise ValueError(f"shadow.seq_lens_cpu: needs one entry per request ({n}), got {lens_t.shape[0]}")
+    lens = lens_t[:n].tolist()
+    for i, (length, q) in enumerate(zip(lens, query_lens)):
+        if length < 0:
+            raise ValueError(f"shadow.seq_lens_cpu[{i}]: negative length {length}")
+        if shadow.authoritative and length > max_seq_len:
+            raise ValueError(
+                f"shadow.seq_lens_cpu[{i}]: authoritative length {length} exceeds "
+                f"max_seq_len={max_seq_len}"
+            )
+        if shadow.authoritative and length < q:
+            raise ValueError(
+                f"shadow.seq_lens_cpu[{i}]: length {length} is shorter than its {q} query tokens"
+            )
+    return lens
+
+
+def _validated_dcp_local(shadow: SeqLenShadow, layout: IndexerLayout, lens: list[int],
+                         query_lens: list[int]) -> list[int]:
+    local_t = _host_int_tensor("shadow.dcp_local_seq_lens_cpu", shadow.dcp_local_seq_lens_cpu)
+    n = len(query_lens)
+    if local_t.shape[0] < n:
+        raise ValueError(
+            f"shadow.dcp_local_seq_lens_cpu: needs one entry per request ({n}), got {local_t.shape[0]}"
+        )
+    local = local_t[:n].tolist()
+    for i, (got, length) in enumerate(zip(local, lens)):
+        want = dcp_localize(length, layout.dcp_world_size, layout.dcp_rank, layout.cp_interleave)
+        if got != want:
+            raise ValueError(
+                f"shadow.dcp_local_seq_lens_cpu[{i}]: {got} is not rank {layout.dcp_rank}'s share "
+                f"({want}) of seq_lens_cpu[{i}]={length}"
+            )
+    return local
+
+
+def decode_topk_bound(
+    layout: IndexerLayout,
+    *,
+    max_seq_len: int,
+    query_start_loc_cpu: torch.Tensor,
+    shadow: SeqLenShadow | None = None,
+    capturing: bool = False,
+) -> DecodeTopkBound:
+    """Host bound on every decode row's kernel length, from host data only (DESIGN.md section 2)."""
+    if capturing:
+        return DecodeTopkBound(capture_stable_bound(layout), BoundSource.CAPTURE_STABLE)
+    if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int):
+        raise TypeError(f"max_seq_len: must be a host int, got {type(max_seq_len).__name__}")
+    if not 0 <= max_seq_len <= layout.max_model_len:
+        raise ValueError(
+            f"max_seq_len: must lie in [0, max_model_len={layout.max_model_len}], got {max_seq_len}"
+        )
+    query_lens = query_lens_from_start_loc(query_start_loc_cpu)
+    lens: list[int] = []
+    if shadow is not None:
+        lens = validated_shadow_lengths(shadow, query_lens, max_seq_len)
+        if shadow.dcp_local_seq_lens_cpu is not None:
+            _validated_dcp_local(shadow, layout, lens, query_lens)
+    exact_usable = shadow is not None and shadow.authoritative
+    source = SOURCE_RULES[(layout.backend, layout.is_compressed, exact_usable)]
+    if source is BoundSource.CPU_EXACT and layout.uses_dcp:
+        source = BoundSource.CPU_DCP_LOCAL
+    live = [length for length, q in zip(lens, query_lens) if q > 0]
+    return DecodeTopkBound(_VALUE_OF[source](layout, max_seq_len, live), source)
