@@ -2,8 +2,8 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-
 from oracle import local_count, rows_of_batch
+
 from vllm_sparse_sync import lengths
 
 

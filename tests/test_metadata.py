@@ -4,8 +4,8 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-
 from oracle import rows_of_batch
+
 from vllm_sparse_sync import (
     BoundSource,
     DecodeBatch,
@@ -32,7 +32,8 @@ def _batch(query_lens, seq_lens, *, device="cpu", pages=None, gen=None, max_seq_
     return DecodeBatch(
         query_start_loc=qsl.to(device), query_start_loc_cpu=qsl, seq_lens=seq.to(device),
         shadow=SeqLenShadow(torch.tensor(seq_lens, dtype=torch.int32), authoritative),
-        block_table=bt.to(device), max_seq_len=max(seq_lens, default=0) if max_seq_len is None else max_seq_len,
+        block_table=bt.to(device),
+        max_seq_len=max(seq_lens, default=0) if max_seq_len is None else max_seq_len,
     )
 
 
