@@ -1,6 +1,6 @@
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from oracle import kernel_row_len, local_count, rows_of_batch
 
@@ -59,7 +59,18 @@ def _true_max(layout, query_lens, true):
     return max(rows, default=0)
 
 
-@given(layout=layouts(), batch=decode_batches(), with_local=st.booleans())
+ALL_LAYOUTS = [
+    IndexerLayout(backend=backend, compress_ratio=ratio, dcp_world_size=world, dcp_rank=rank,
+                  cp_interleave=interleave, max_model_len=MAX_MODEL_LEN)
+    for backend in IndexerBackend for ratio in (1, 4) for world in (1, 2, 4) for rank in range(world)
+    for interleave in (1, 64)
+]
+
+
+@pytest.mark.parametrize("layout", ALL_LAYOUTS, ids=lambda lay: (
+    f"{lay.backend.value}-r{lay.compress_ratio}-w{lay.dcp_world_size}-k{lay.dcp_rank}-i{lay.cp_interleave}"))
+@settings(max_examples=25)
+@given(batch=decode_batches(), with_local=st.booleans())
 def test_bound_never_below_true_max_and_exact_sources_equal_it(layout, batch, with_local):
     query_lens, true, shadow_lens, authoritative, max_seq_len = batch
     local = None
