@@ -96,7 +96,7 @@ def test_active_width_clamps_and_holes_inside_score_minus_inf(gen):
     assert torch.isfinite(got[0, 128:200]).all()
     assert torch.equal(torch.isinf(got), torch.isinf(want))
     fin = torch.isfinite(want)
-    assert torch.allclose(got.double()[fin], want[fin], rtol=1e-5, atol=1e-5)
+    assert ((got.double()[fin] - want[fin]).norm() / want[fin].norm()) < 1e-6
 
 
 def _check_topk(out, logits, lens, k):
