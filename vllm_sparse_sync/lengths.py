@@ -33,17 +33,22 @@ def compress_ceil(lengths: Lengths, ratio: int) -> Lengths:
     return -((-lengths) // ratio)
 
 
+def check_dcp(world_size: int, rank: int, interleave: int) -> None:
+    """Refuse a DCP world, rank or interleave that cannot exist."""
+    if world_size < 1 or not 0 <= rank < world_size or interleave < 1:
+        raise ValueError(
+            f"dcp: need world_size >= 1, 0 <= rank < world_size, interleave >= 1; "
+            f"got world_size={world_size}, rank={rank}, interleave={interleave}"
+        )
+
+
 def dcp_localize(lengths: Lengths, world_size: int, rank: int, interleave: int = 1) -> Lengths:
     """Global lengths -> this rank's local lengths under DCP.
 
     Token ``g`` lives on rank ``(g // I) % W``; the local length is
     ``(L // (I*W)) * I + clamp(L % (I*W) - rank*I, 0, I)``.
     """
-    if world_size < 1 or not 0 <= rank < world_size or interleave < 1:
-        raise ValueError(
-            f"dcp: need world_size >= 1, 0 <= rank < world_size, interleave >= 1; "
-            f"got world_size={world_size}, rank={rank}, interleave={interleave}"
-        )
+    check_dcp(world_size, rank, interleave)
     if world_size == 1:
         return lengths
     span = interleave * world_size
