@@ -1,0 +1,175 @@
+"""Records, budgets, HostSyncError, layer selection and GPU pinning (pure host logic)."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+
+from vllm_sparse_sync.testing import Budget, HostSyncError, SyncRecord
+from vllm_sparse_sync.testing import layers as L
+from vllm_sparse_sync.testing.guard import resolve_layers
+from vllm_sparse_sync.testing.layers.runtime_api import classify_call, records_from_events
+from vllm_sparse_sync.testing.xdist_pinning import (
+    devices_for_worker,
+    pin_worker,
+    visible_devices,
+    worker_index,
+)
+
+
+def rec(kind="stream_sync", layer="debug_mode", op="x"):
+    return SyncRecord(kind=kind, layer=layer, op=op, location="a.py:1")
+
+
+def test_budget_counts_each_layer_on_its_own():
+    records = [rec(layer="debug_mode"), rec(layer="runtime_api")]
+    assert Budget(1).violations(records) == []
+    records.append(rec(layer="debug_mode"))
+    assert Budget(1).violations(records) == ["debug_mode: 2 syncs > budget 1"]
+
+
+def test_budget_by_kinds_and_mapping():
+    records = [rec("device_sync"), rec("device_sync"), rec("stream_sync")]
+    assert Budget(2, kinds=("device_sync",)).violations(records) == [
+        "debug_mode: 1 stream_sync > budget 0 (kind not allowed)"]
+    assert Budget(2, kinds="device_sync").kinds == ("device_sync",)
+    assert Budget.of({"device_sync": 2, "stream_sync": 1}).violations(records) == []
+    assert Budget.of({"device_sync": 1}).violations(records) == [
+        "debug_mode: 2 device_sync > budget 1", "debug_mode: 1 stream_sync > budget 0"]
+    with pytest.raises(ValueError):
+        Budget(-1)
+    with pytest.raises(TypeError):
+        Budget.of("3")
+
+
+def test_host_sync_error_is_an_assertion_and_pickles():
+    err = HostSyncError([rec(op="Tensor.item")], 0, "step")
+    assert isinstance(err, AssertionError)
+    again = pickle.loads(pickle.dumps(err))
+    assert again.records == err.records and str(again) == str(err)
+    assert "[debug_mode] stream_sync Tensor.item at a.py:1" in str(err)
+
+
+def test_record_round_trips_through_dict():
+    r = rec()
+    assert SyncRecord.from_dict(r.to_dict()) == r
+
+
+def test_layer_names_are_checked():
+    assert L.parse_layers("sentinel, capture") == ("sentinel", "capture")
+    assert L.parse_layers("auto") is None
+    with pytest.raises(ValueError, match="unknown sync layer 'nope'"):
+        L.parse_layers(["nope"])
+
+
+def test_unavailable_layers_are_reported_not_run(monkeypatch):
+    monkeypatch.setattr(L.DebugModeLayer, "unavailable_reason", classmethod(lambda c: "no CUDA"))
+    run, skipped = resolve_layers("sentinel,debug_mode", watch=True)
+    assert run == ["sentinel"] and skipped == {"debug_mode": "no CUDA"}
+    run, skipped = resolve_layers("sentinel", watch=False)
+    assert run == [] and skipped == {"sentinel": "nothing watched"}
+
+
+def test_trace_layer_needs_an_opted_in_process(monkeypatch):
+    monkeypatch.setattr("vllm_sparse_sync.testing.layers.trace.no_cuda_reason", lambda: None)
+    monkeypatch.delenv("VLLM_SPARSE_SYNC_TRACE", raising=False)
+    assert "irreversible" in L.TraceLayer.unavailable_reason()
+    monkeypatch.setenv("VLLM_SPARSE_SYNC_TRACE", "1")
+    assert L.TraceLayer.unavailable_reason() is None
+
+
+def test_runtime_api_call_classification():
+    assert classify_call("cudaStreamSynchronize") == "stream_sync"
+    assert classify_call("cudaDeviceSynchronize") == "device_sync"
+    assert classify_call("cudaEventSynchronize") == "event_sync"
+    assert classify_call("cudaMemcpy") == "memcpy_sync"
+    assert classify_call("cuMemcpyDtoH_v2") == "memcpy_sync"
+    for clean in ("cudaMemcpyAsync", "cudaLaunchKernel", "cudaStreamWaitEvent", "cudaEventQuery"):
+        assert classify_call(clean) is None
+
+
+class _Range:
+    def __init__(self, start, end):
+        self.start, self.end = start, end
+
+
+class _Evt:
+    def __init__(self, name, start, end, parent=None, stack=(), kernels=(), device="CPU"):
+        self.name, self.time_range = name, _Range(start, end)
+        self.cpu_parent, self.stack, self.kernels = parent, list(stack), list(kernels)
+        self.device_type, self.thread = f"DeviceType.{device}", 1
+
+
+class _Kernel:
+    def __init__(self, name):
+        self.name = name
+
+
+def test_runtime_api_records_only_inside_the_region_and_attributes_stacks(tmp_path):
+    src = tmp_path / "user.py"
+    src.write_text("a = 1\nb = seq_lens.max().item()\n")
+    region = _Evt("vllm_sparse_sync::checked_region", 10, 100)
+    op = _Evt("aten::item", 20, 30, parent=region, stack=[f"{src}(2): build"])
+    inner = _Evt("aten::_local_scalar_dense", 21, 29, parent=op)
+    sync = _Evt("cudaStreamSynchronize", 22, 28, parent=inner)
+    ext = _Evt("cudaDeviceSynchronize", 40, 41, parent=region)  # an extension: no stack
+    copy = _Evt("aten::copy_", 50, 60, parent=region, stack=[f"{src}(1): build"],
+                kernels=[_Kernel("Memcpy HtoD (Pageable -> Device)")])
+    own = _Evt("cudaDeviceSynchronize", 200, 210)  # the profiler's own, after the region
+    records = records_from_events([region, op, inner, sync, ext, copy, own])
+    assert [r.kind for r in records] == ["stream_sync", "device_sync", "pageable_memcpy"]
+    assert records[0].location.endswith("user.py:2")
+    assert records[0].code == "b = seq_lens.max().item()"
+    assert records[0].op == "cudaStreamSynchronize via aten::_local_scalar_dense"
+    assert "no Python stack" in records[1].detail
+    assert records_from_events([own]) == []
+
+
+def test_pageable_copy_inside_a_synced_op_is_not_counted_twice():
+    region = _Evt("vllm_sparse_sync::checked_region", 0, 100)
+    op = _Evt("aten::_to_copy", 10, 20, parent=region,
+              kernels=[_Kernel("Memcpy DtoH (Device -> Pageable)")])
+    sync = _Evt("cudaStreamSynchronize", 12, 18, parent=op)
+    assert [r.kind for r in records_from_events([region, op, sync])] == ["stream_sync"]
+
+
+def test_worker_index_and_device_slices():
+    assert worker_index("gw3") == 3 and worker_index(None) is None and worker_index("x") is None
+    devs = ["0", "1", "2", "3"]
+    assert devices_for_worker(0, devs) == ["0"]
+    assert devices_for_worker(5, devs) == ["1"]
+    assert devices_for_worker(1, devs, per_worker=2) == ["2", "3"]
+    assert devices_for_worker(2, devs, per_worker=2) == ["0", "1"]
+    assert devices_for_worker(0, []) == []
+
+
+def test_pinning_uses_visible_devices_without_cuda():
+    env = {"PYTEST_XDIST_WORKER": "gw1", "CUDA_VISIBLE_DEVICES": "4,6"}
+    assert visible_devices(env) == ["4", "6"]
+    msg = pin_worker(env)
+    assert env["CUDA_VISIBLE_DEVICES"] == "6" and "gw1 pinned" in msg
+    env = {"PYTEST_XDIST_WORKER": "gw2", "CUDA_VISIBLE_DEVICES": "4,6"}
+    pin_worker(env)
+    assert env["CUDA_VISIBLE_DEVICES"] == "4"
+    assert pin_worker({}) == "not an xdist worker"
+
+
+def test_pinning_counts_gpus_through_nvml_or_smi(monkeypatch):
+    import vllm_sparse_sync.testing.xdist_pinning as xp
+
+    monkeypatch.setattr(xp, "_nvml_count", lambda: None)
+    monkeypatch.setattr(xp, "_smi_count", lambda: 2)
+    env = {"PYTEST_XDIST_WORKER": "gw3"}
+    pin_worker(env)
+    assert env["CUDA_VISIBLE_DEVICES"] == "1"
+    monkeypatch.setattr(xp, "_smi_count", lambda: None)
+    env = {"PYTEST_XDIST_WORKER": "gw0"}
+    assert "not pinned" in pin_worker(env) and "CUDA_VISIBLE_DEVICES" not in env
+
+
+def test_pinning_does_not_initialize_cuda():
+    import torch
+
+    pin_worker({"PYTEST_XDIST_WORKER": "gw0"})
+    assert not torch.cuda.is_initialized()

@@ -1,0 +1,36 @@
+"""The harness: detection layers, fixtures and capture helpers that prove a decode step never
+synchronizes the host. Load it in pytest with `-p vllm_sparse_sync.testing.plugin` (it is also
+registered through the `pytest11` entry point)."""
+
+from __future__ import annotations
+
+from .capture import DecodeGraph, decode_graph
+from .guard import SyncCheck, check_step, no_host_sync, sync_recorder
+from .isolate import run_isolated
+from .layers import (
+    CaptureProbe,
+    DebugModeLayer,
+    RuntimeApiLayer,
+    SentinelLayer,
+    TraceLayer,
+)
+from .records import KINDS, Budget, HostSyncError, SyncRecord
+
+__all__ = [
+    "KINDS",
+    "Budget",
+    "CaptureProbe",
+    "DebugModeLayer",
+    "DecodeGraph",
+    "HostSyncError",
+    "RuntimeApiLayer",
+    "SentinelLayer",
+    "SyncCheck",
+    "SyncRecord",
+    "TraceLayer",
+    "check_step",
+    "decode_graph",
+    "no_host_sync",
+    "run_isolated",
+    "sync_recorder",
+]

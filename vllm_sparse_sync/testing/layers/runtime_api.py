@@ -1,0 +1,177 @@
+"""Runtime-API counter: torch.profiler (Kineto/CUPTI) events of synchronizing CUDA calls.
+
+Counts `cudaStreamSynchronize`, `cudaDeviceSynchronize`, `cudaEventSynchronize`, synchronous
+`cudaMemcpy*` and pageable memcpys from any library (extensions included), inside a
+`record_function` region; the profiler's own closing device sync falls outside that region
+and is not counted.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from collections.abc import Iterable
+from typing import ClassVar
+
+from ..cuda_env import no_cuda_reason
+from ..records import (
+    DEVICE_SYNC,
+    EVENT_SYNC,
+    MEMCPY_SYNC,
+    PAGEABLE_MEMCPY,
+    STREAM_SYNC,
+    UNKNOWN,
+    Frame,
+    SyncRecord,
+    _skipped,
+    user_frame,
+)
+
+LAYER = "runtime_api"
+REGION = "vllm_sparse_sync::checked_region"
+
+SYNC_CALLS = {
+    "cudaStreamSynchronize": STREAM_SYNC,
+    "cuStreamSynchronize": STREAM_SYNC,
+    "cudaDeviceSynchronize": DEVICE_SYNC,
+    "cuCtxSynchronize": DEVICE_SYNC,
+    "cudaEventSynchronize": EVENT_SYNC,
+    "cuEventSynchronize": EVENT_SYNC,
+}
+_SYNC_MEMCPY = re.compile(r"^(cudaMemcpy(2D|3D|Peer|ToSymbol|FromSymbol)?|cuMemcpy(DtoH|HtoD|DtoD)?(_v2)?)$")
+_PROFILER_WARNINGS = r"torch\.(autograd\.)?profiler.*"
+_STACK_ENTRY = re.compile(r"^(?P<file>.*)\((?P<line>\d+)\): (?P<func>.*)$")
+
+
+def classify_call(name: str) -> str | None:
+    """The sync kind of a CUDA runtime/driver API call name, or None."""
+    if name in SYNC_CALLS:
+        return SYNC_CALLS[name]
+    if _SYNC_MEMCPY.match(name):
+        return MEMCPY_SYNC
+    return None
+
+
+def _frame_from_stack(stack: Iterable[str]) -> Frame | None:
+    for entry in stack or ():
+        m = _STACK_ENTRY.match(entry)
+        if not m or _skipped(m["file"]) or "/_pytest/" in m["file"] or "/pluggy/" in m["file"]:
+            continue
+        import linecache
+
+        code = linecache.getline(m["file"], int(m["line"])).strip()
+        return Frame(m["file"], int(m["line"]), m["func"], code)
+    return None
+
+
+def _root(evt):
+    """The outermost op above `evt` below the checked region."""
+    while getattr(evt, "cpu_parent", None) is not None and evt.cpu_parent.name != REGION:
+        evt = evt.cpu_parent
+    return evt
+
+
+def _attribution(evt) -> tuple[Frame | None, str]:
+    """The user frame of the nearest ancestor op with a Python stack, and that op's name."""
+    node = getattr(evt, "cpu_parent", None)
+    op = ""
+    while node is not None:
+        if not op and not node.name.startswith(("cuda", "cu")) and node.name != REGION:
+            op = node.name
+        frame = _frame_from_stack(getattr(node, "stack", None))
+        if frame is not None:
+            return frame, op or node.name
+        node = node.cpu_parent
+    return None, op
+
+
+def _is_device_event(evt) -> bool:
+    return "CUDA" in str(getattr(evt, "device_type", ""))
+
+
+def records_from_events(events, *, fallback: Frame = UNKNOWN,
+                        thread_names: dict | None = None) -> list[SyncRecord]:
+    """Sync records from profiler FunctionEvents, counting only calls inside the region."""
+    events = list(events)
+    regions = [e for e in events if e.name == REGION]
+    if not regions:
+        return []
+    spans = [(r.time_range.start, r.time_range.end) for r in regions]
+
+    def inside(e) -> bool:
+        s = e.time_range.start
+        return any(a <= s <= b for a, b in spans)
+
+    out: list[SyncRecord] = []
+    synced_roots = set()
+    names = thread_names or {}
+    for e in events:
+        if _is_device_event(e) or not inside(e):
+            continue
+        kind = classify_call(e.name)
+        if kind is None:
+            continue
+        frame, op = _attribution(e)
+        detail = "" if frame else "no Python stack (extension call?); region entered here"
+        synced_roots.add(id(_root(e)))
+        out.append(SyncRecord.at(kind, LAYER, f"{e.name}" + (f" via {op}" if op else ""),
+                                 frame or fallback, detail=detail,
+                                 thread=names.get(e.thread, str(e.thread))))
+    for e in events:
+        if _is_device_event(e) or not inside(e) or e.name == REGION:
+            continue
+        pageable = [k for k in getattr(e, "kernels", ()) or () if "Pageable" in k.name]
+        if not pageable or id(_root(e)) in synced_roots:
+            continue
+        frame = _frame_from_stack(e.stack) or _attribution(e)[0] or fallback
+        for k in pageable:
+            out.append(SyncRecord.at(PAGEABLE_MEMCPY, LAYER, f"{k.name} via {e.name}", frame,
+                                     thread=names.get(e.thread, str(e.thread))))
+    return out
+
+
+class RuntimeApiLayer:
+    """Profiles the region and reports synchronizing CUDA API calls from any library."""
+
+    name: ClassVar[str] = LAYER
+
+    def __init__(self, *, with_stack: bool = True):
+        self.with_stack = with_stack
+        self._prof = None
+        self._region = None
+        self._entry = UNKNOWN
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        return no_cuda_reason()
+
+    def start(self) -> None:
+        import torch
+        from torch.profiler import ProfilerActivity, profile, record_function
+
+        self._entry = user_frame()
+        torch.cuda.synchronize()  # outside the region: earlier work is not ours
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", category=UserWarning, module=_PROFILER_WARNINGS)
+            self._prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                                 with_stack=self.with_stack)
+            self._prof.__enter__()
+        self._region = record_function(REGION)
+        self._region.__enter__()
+
+    def stop(self) -> list[SyncRecord]:
+        import threading
+
+        if self._prof is None:
+            return []
+        try:
+            self._region.__exit__(None, None, None)
+        finally:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", category=UserWarning,
+                                        module=_PROFILER_WARNINGS)
+                self._prof.__exit__(None, None, None)
+                events = self._prof.events()
+        self._prof = None
+        names = {getattr(t, "native_id", None): t.name for t in threading.enumerate()}
+        return records_from_events(events, fallback=self._entry, thread_names=names)
