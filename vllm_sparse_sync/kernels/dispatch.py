@@ -1,10 +1,72 @@
-"""Kernel dispatch: Triton on CUDA tensors, the torch reference elsewhere."""
+"""Kernel dispatch: Triton on CUDA tensors, the torch reference elsewhere.
+
+Triton is imported on the first CUDA call only, so the package imports (and runs on the CPU)
+without it. Triton-only keywords (``workspace=``, ``out=``) are accepted on both routes; the
+reference ignores ``workspace`` and copies into ``out``.
+"""
 
 from __future__ import annotations
 
+import torch
+
 from . import reference
 
-paged_indexer_logits = reference.paged_indexer_logits
-topk_indices = reference.topk_indices
-write_index_k_cache = reference.write_index_k_cache
-indexer_topk = reference.indexer_topk
+
+def _triton():
+    from . import triton_ops
+
+    return triton_ops
+
+
+def _finish(result: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    if out is None:
+        return result
+    out.copy_(result)
+    return out
+
+
+def paged_indexer_logits(q_fp8, weights, k_cache, block_table, row_lens, width, *,
+                         active_width=None, out=None):
+    """See ``reference.paged_indexer_logits``."""
+    if q_fp8.is_cuda:
+        return _triton().paged_indexer_logits(q_fp8, weights, k_cache, block_table, row_lens, width,
+                                              active_width=active_width, out=out)
+    res = reference.paged_indexer_logits(q_fp8, weights, k_cache, block_table, row_lens, width,
+                                         active_width=active_width)
+    return _finish(res, out)
+
+
+def topk_indices(logits, row_lens, k, *, active_width=None, workspace=None, out=None):
+    """See ``reference.topk_indices``."""
+    if logits.is_cuda:
+        return _triton().topk_indices(logits, row_lens, k, active_width=active_width,
+                                      workspace=workspace, out=out)
+    return _finish(reference.topk_indices(logits, row_lens, k, active_width=active_width), out)
+
+
+def write_index_k_cache(k_cache, k_fp8, k_scale, slot_mapping) -> None:
+    """See ``reference.write_index_k_cache``."""
+    if k_cache.is_cuda:
+        return _triton().write_index_k_cache(k_cache, k_fp8, k_scale, slot_mapping)
+    return reference.write_index_k_cache(k_cache, k_fp8, k_scale, slot_mapping)
+
+
+def indexer_topk(q_fp8, weights, k_cache, block_table, row_lens, k, *, active_width=None,
+                 width=None, workspace=None, out=None):
+    """See ``reference.indexer_topk``."""
+    if q_fp8.is_cuda:
+        return _triton().indexer_topk(q_fp8, weights, k_cache, block_table, row_lens, k,
+                                      active_width=active_width, width=width,
+                                      workspace=workspace, out=out)
+    res = reference.indexer_topk(q_fp8, weights, k_cache, block_table, row_lens, k,
+                                 active_width=active_width, width=width)
+    return _finish(res, out)
+
+
+def make_workspace(rows: int, k: int, width: int = 0, device="cuda"):
+    """An ``IndexerTopkWorkspace`` for CUDA devices; ``None`` elsewhere (the reference needs none)."""
+    if torch.device(device).type != "cuda":
+        return None
+    from .workspace import IndexerTopkWorkspace
+
+    return IndexerTopkWorkspace(rows, k, width, device)

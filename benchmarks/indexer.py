@@ -1,0 +1,342 @@
+"""Decode indexer benchmark on one GPU: our Triton scorer, top-k and whole step beside the peers.
+
+    python benchmarks/indexer.py [--out benchmarks/results/NAME.json] [--shapes 1x4096,64x65536]
+                                 [--peers-only] [--no-peers] [--config score_tile=64,...]
+    python benchmarks/indexer.py --combine A.json B.json --out C.json   # merge runs, print table
+
+Times are medians of CUDA-graph replays (per-call = replay time / calls per graph) with inputs
+rotated over enough copies that one graph's inputs exceed L2. Shapes are DESIGN.md section 6
+(H=64, D=128, k=2048). Peers are measured when the checkout holds ``.peers/`` (DeepGEMM paged
+MQA logits) or ``.peers_topk/`` (vLLM top-k ops), made by ``../shared/peers/prepare.sh``;
+both folders do not fit one device transfer, so each may come from a separate run (--combine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import lzma
+import math
+import os
+import statistics
+import sys
+import tarfile
+import tempfile
+from dataclasses import replace
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from vllm_sparse_sync.kernels import reference as ref  # noqa: E402
+from vllm_sparse_sync.kernels.synth import random_k_cache  # noqa: E402
+from vllm_sparse_sync.kernels.workspace import DEFAULT_CONFIG, IndexerTopkWorkspace  # noqa: E402
+
+SHAPES = [(1, 4096), (1, 65536), (1, 131072), (8, 65536), (32, 16384), (32, 65536),
+          (64, 16384), (64, 65536), (128, 8192)]
+H, D, PAGE, TOPK, WIDE = 64, 128, 64, 2048, 131072
+L2_BYTES = 160 * 2**20  # what one graph's rotated inputs should exceed (H200 L2 is ~50-60 MB)
+DEV = "cuda"
+
+
+def timeit(make_call, ncalls: int, iters: int = 15) -> float:
+    """Median microseconds per call: a graph of ``ncalls`` calls (call i uses input copy i), replayed."""
+    calls = [make_call(i) for i in range(ncalls)]
+    for c in calls[:3]:
+        c()
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for c in calls[:2]:
+            c()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for c in calls:
+            c()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        graph.replay()
+        e.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(e) * 1000.0 / ncalls)
+    del graph
+    return statistics.median(times)
+
+
+def copy_tbs() -> float:
+    """Measured device-to-device copy bandwidth (read + write), TB/s."""
+    n = 2 * 1024**3
+    a = torch.empty(n, dtype=torch.uint8, device=DEV)
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for _ in range(10):
+        b.copy_(a)
+    e.record()
+    torch.cuda.synchronize()
+    sec = s.elapsed_time(e) / 1000.0 / 10
+    del a, b
+    return 2 * n / sec / 1e12
+
+
+class Inputs:
+    """``copies`` independent K caches and page tables for B rows of L entries (table width WIDE)."""
+
+    def __init__(self, B: int, L: int, copies: int, seed: int = 0):
+        torch.manual_seed(seed)
+        self.B, self.L = B, L
+        live = L // PAGE
+        self.table_pages = max(live, WIDE // PAGE)
+        self.q = (torch.randn(B, H, D, device=DEV) * 0.7).to(ref.FP8_DTYPE)
+        self.w = torch.randn(B, H, device=DEV)
+        self.lens = torch.full((B,), L, dtype=torch.int32, device=DEV)
+        self.caches, self.tables, self.wide_tables = [], [], []
+        for _ in range(copies):
+            n_pages = B * live
+            self.caches.append(random_k_cache(n_pages, PAGE, D, device=DEV))
+            t = torch.randperm(n_pages, device=DEV, dtype=torch.int32).view(B, live)
+            wide = torch.full((B, self.table_pages), -1, dtype=torch.int32, device=DEV)
+            wide[:, :live] = t
+            self.tables.append(t)
+            self.wide_tables.append(wide)
+
+    def args(self, i: int, wide: bool = False):
+        """Inputs of copy ``i``: exact page table ``[B, L/64]`` or a 128K-wide one (``-1`` past L)."""
+        t = (self.wide_tables if wide else self.tables)[i % len(self.tables)]
+        return self.q, self.w, self.caches[i % len(self.caches)], t, self.lens
+
+
+def bench_ours(inp: Inputs, ncalls: int, config, res: dict) -> None:
+    from vllm_sparse_sync.kernels import triton_ops as tk
+    from vllm_sparse_sync.kernels.triton_scorer import launch_score
+
+    B, L = inp.B, inp.L
+    ws = IndexerTopkWorkspace(B, TOPK, WIDE, DEV, config=config)
+    out = torch.empty(B, TOPK, dtype=torch.int32, device=DEV)
+    active = torch.tensor([L], dtype=torch.int32, device=DEV)
+
+    def scorer(i):  # the step's scorer alone: live columns only, no histogram
+        return lambda: launch_score(*inp.args(i), None, ws.logits, page_size=PAGE,
+                                    sel_width=L, fill_width=0, splits=ws.score_splits(B), config=config)
+
+    def step(i, width, act=None):
+        return lambda: tk.indexer_topk(*inp.args(i, width == WIDE), TOPK, active_width=act, width=width,
+                                       workspace=ws, out=out)
+
+    res["scorer_us"] = timeit(scorer, ncalls)
+    res["step_us"] = timeit(lambda i: step(i, L), ncalls)
+    res["step_wide_host_us"] = timeit(lambda i: step(i, WIDE), ncalls)
+    res["step_wide_active_us"] = timeit(lambda i: step(i, WIDE, active), ncalls)
+    # top-k alone, on dense logits of width L (rotated copies)
+    nl = max(2, min(ncalls, math.ceil(L2_BYTES / (B * L * 4))))
+    first = tk.paged_indexer_logits(*inp.args(0), L)
+    logits = [first] + [first.clone() for _ in range(nl - 1)]
+    tws = IndexerTopkWorkspace(B, TOPK, 0, DEV, config=config)
+    res["topk_us"] = timeit(lambda i: lambda: tk.topk_indices(
+        logits[i % nl], inp.lens, TOPK, workspace=tws, out=out), ncalls)
+    res["dense_scorer_us"] = timeit(lambda i: lambda: tk.paged_indexer_logits(
+        *inp.args(i), L, out=logits[i % nl], config=config), ncalls)
+    res["torch_topk_us"] = timeit(lambda i: lambda: out.copy_(
+        torch.topk(logits[i % nl], TOPK, dim=1).indices), min(ncalls, 24))
+    # correctness of this run's step (row 0 .. 1), against our dense logits
+    from vllm_sparse_sync.kernels.verify import topk_violations
+
+    got = tk.indexer_topk(*inp.args(0), TOPK, width=L)
+    dense = tk.paged_indexer_logits(*inp.args(0), L)
+    rows = min(B, 2)
+    bad = topk_violations(got[:rows], dense[:rows], inp.lens[:rows], TOPK, tol=1e-3)
+    res["step_check"] = "ok" if not bad else bad[0]
+    if B * L <= 65536:  # the torch reference scorer (Python loop over rows, host syncs): eager timing
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        ref.paged_indexer_logits(*inp.args(0), L)
+        s.record()
+        for i in range(5):
+            ref.paged_indexer_logits(*inp.args(i), L)
+        e.record()
+        torch.cuda.synchronize()
+        res["reference_scorer_us"] = s.elapsed_time(e) * 1000.0 / 5
+
+
+def load_deepgemm():
+    if not os.path.isdir(os.path.join(ROOT, ".peers")):
+        return None
+    dst = os.path.join(tempfile.gettempdir(), "peers")
+    if not os.path.isdir(dst + "/vllm"):
+        os.makedirs(dst, exist_ok=True)
+        with tarfile.open(os.path.join(ROOT, ".peers/peers.tgz")) as tf:
+            tf.extractall(dst)
+    sys.path.insert(0, dst + "/vllm/third_party")
+    import deep_gemm
+
+    return deep_gemm
+
+
+def load_vllm_topk():
+    if not os.path.isdir(os.path.join(ROOT, ".peers_topk")):
+        return None
+    so = os.path.join(tempfile.gettempdir(), "_C_stable_libtorch.abi3.so")
+    if not os.path.exists(so):
+        with lzma.open(os.path.join(ROOT, ".peers_topk/cstable.xz")) as f, open(so, "wb") as g:
+            g.write(f.read())
+    torch.ops.load_library(so)
+    return torch.ops._C
+
+
+def bench_deepgemm(dg, inp: Inputs, ncalls: int, res: dict) -> None:
+    B, L = inp.B, inp.L
+    nsm = torch.cuda.get_device_properties(0).multi_processor_count
+    q4 = inp.q.view(B, 1, H, D)
+    lens2 = inp.lens.view(B, 1)
+    sched = dg.get_paged_mqa_logits_metadata(lens2, PAGE, nsm)
+
+    def call(i, width):
+        _, _, cache, table, _ = inp.args(i, width == WIDE)
+        kv = cache.view(cache.shape[0], PAGE, 1, D + 4)
+        return lambda: dg.fp8_fp4_paged_mqa_logits((q4, None), kv, inp.w, lens2, table, sched, width)
+
+    res["deepgemm_us"] = timeit(lambda i: call(i, L), ncalls)
+    if B * WIDE * 4 < 2e9:
+        res["deepgemm_wide_us"] = timeit(lambda i: call(i, WIDE), ncalls)
+    res["deepgemm_sched_us"] = timeit(
+        lambda i: lambda: dg.get_paged_mqa_logits_metadata(lens2, PAGE, nsm), 12)
+
+
+def bench_vllm_topk(ops, inp: Inputs, ncalls: int, res: dict) -> None:
+    from vllm_sparse_sync.kernels import triton_ops as tk
+
+    B, L = inp.B, inp.L
+    width = WIDE if B * WIDE * 4 < 2e9 else L
+    nl = max(2, min(ncalls, math.ceil(L2_BYTES / (B * width * 4)), 16))
+    base = torch.full((B, width), float("-inf"), device=DEV)
+    base[:, :L] = tk.paged_indexer_logits(*inp.args(0), L)
+    bufs = [base] + [base.clone() for _ in range(nl - 1)]
+    ws = torch.empty(1024 * 1024, dtype=torch.uint8, device=DEV)
+    out = torch.full((B, TOPK), -1, dtype=torch.int32, device=DEV)
+    for name in ("persistent", "cooperative"):
+        op = getattr(ops, f"{name}_topk")
+        try:
+            res[f"vllm_{name}_topk_us"] = timeit(
+                lambda i, op=op: lambda: op(bufs[i % nl], inp.lens, out, ws, TOPK, L), ncalls)
+        except Exception as exc:  # cooperative_topk serves <= 64 rows only
+            res[f"vllm_{name}_topk_err"] = str(exc).splitlines()[0][:100]
+            torch.cuda.synchronize()
+
+
+def derive(res: dict, bw: float) -> dict:
+    """Bandwidth, bound ratio and peer comparison fields from the raw times."""
+    B, L = res["B"], res["L"]
+    kbytes = B * L * 132
+    if "scorer_us" in res:
+        res["scorer_tbs"] = kbytes / (res["scorer_us"] * 1e-6) / 1e12
+        res["scorer_pct_copy"] = 100 * res["scorer_tbs"] / bw
+        res["wide_over_exact"] = max(res["step_wide_host_us"], res["step_wide_active_us"]) / res["step_us"]
+    topks = [res[k] for k in ("vllm_persistent_topk_us", "vllm_cooperative_topk_us") if k in res]
+    if "deepgemm_us" in res and topks:
+        res["best_peer_step_us"] = res["deepgemm_us"] + min(topks)
+        if "step_us" in res:
+            res["ours_over_best_peer"] = res["step_us"] / res["best_peer_step_us"]
+    return res
+
+
+COLS = [("B", "{}"), ("L", "{}"), ("scorer_us", "{:.1f}"), ("topk_us", "{:.1f}"), ("step_us", "{:.1f}"),
+        ("scorer_tbs", "{:.2f}"), ("scorer_pct_copy", "{:.0f}"), ("wide_over_exact", "{:.3f}"),
+        ("torch_topk_us", "{:.1f}"), ("deepgemm_us", "{:.1f}"), ("vllm_persistent_topk_us", "{:.1f}"),
+        ("vllm_cooperative_topk_us", "{:.1f}"), ("best_peer_step_us", "{:.1f}"),
+        ("ours_over_best_peer", "{:.2f}")]
+
+
+def table(rows: list[dict]) -> str:
+    head = "| " + " | ".join(c for c, _ in COLS) + " |"
+    lines = [head, "|" + "---:|" * len(COLS)]
+    for r in rows:
+        cells = [f.format(r[c]) if c in r and r[c] is not None else "-" for c, f in COLS]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def combine(paths: list[str]) -> dict:
+    """Merge runs: ours from the first run that has it; each peer's figures from the run that has them."""
+    runs = [json.load(open(p)) for p in paths]
+    bw = runs[0]["copy_tbs"]
+    merged: dict[tuple, dict] = {}
+    for run in runs:
+        for r in run["shapes"]:
+            m = merged.setdefault((r["B"], r["L"]), {})
+            for key, v in r.items():
+                m.setdefault(key, v)
+    shapes = [derive(m, bw) for m in merged.values()]
+    return dict(runs=[r.get("meta", {}) for r in runs], copy_tbs=bw, shapes=shapes)
+
+
+def parse_config(text: str):
+    if not text:
+        return DEFAULT_CONFIG
+    kv = dict(item.split("=") for item in text.split(","))
+    return replace(DEFAULT_CONFIG, **{k: int(v) for k, v in kv.items()})
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="")
+    ap.add_argument("--shapes", default="")
+    ap.add_argument("--peers-only", action="store_true")
+    ap.add_argument("--no-peers", action="store_true")
+    ap.add_argument("--config", default="")
+    ap.add_argument("--combine", nargs="*")
+    a = ap.parse_args()
+    if a.combine:
+        data = combine(a.combine)
+        print(table(data["shapes"]))
+        if a.out:
+            json.dump(data, open(a.out, "w"), indent=1)
+        return
+    shapes = SHAPES
+    if a.shapes:
+        shapes = [tuple(int(x) for x in s.split("x")) for s in a.shapes.split(",")]
+    config = parse_config(a.config)
+    dg = None if a.no_peers else load_deepgemm()
+    vt = None if a.no_peers else load_vllm_topk()
+    bw = copy_tbs()
+    meta = dict(device=torch.cuda.get_device_name(0), torch=torch.__version__,
+                config=config.__dict__, deepgemm=dg is not None, vllm_topk=vt is not None,
+                ours=not a.peers_only)
+    print(json.dumps(dict(copy_tbs=round(bw, 3), **meta)), flush=True)
+    rows = []
+    for B, L in shapes:
+        copies = max(2, min(128, math.ceil(L2_BYTES / (B * L * 132))))
+        ncalls = max(12, copies)
+        inp = Inputs(B, L, copies)
+        res = dict(B=B, L=L, copies=copies, calls_per_graph=ncalls)
+        try:
+            if not a.peers_only:
+                bench_ours(inp, ncalls, config, res)
+            if dg is not None:
+                bench_deepgemm(dg, inp, ncalls, res)
+            if vt is not None:
+                bench_vllm_topk(vt, inp, ncalls, res)
+        except Exception as exc:
+            res["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+        derive(res, bw)
+        print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in res.items()}),
+              flush=True)
+        rows.append(res)
+        del inp
+        torch.cuda.empty_cache()
+    print(table(rows))
+    if a.out:
+        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+        json.dump(dict(meta=meta, copy_tbs=bw, shapes=rows), open(a.out, "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()

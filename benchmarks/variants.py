@@ -1,0 +1,78 @@
+"""Time fixed kernel configurations of the scorer and the top-k at a few shapes (to pick defaults).
+
+    python benchmarks/variants.py [--shapes 64x65536,1x131072]
+
+Each variant also checks its step output (rows 0..1) against its own dense logits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from dataclasses import replace
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from indexer import DEV, L2_BYTES, PAGE, TOPK, Inputs, timeit  # noqa: E402
+
+from vllm_sparse_sync.kernels.workspace import DEFAULT_CONFIG, IndexerTopkWorkspace  # noqa: E402
+
+SCORER = [dict(), dict(score_tile=64), dict(score_warps=8), dict(score_tile=256, score_warps=8),
+          dict(score_stages=4), dict(score_stages=2, score_ctas_per_sm=4),
+          dict(score_tile=64, score_stages=4, score_ctas_per_sm=4), dict(score_ctas_per_sm=1),
+          dict(score_ctas_per_sm=4)]
+TOPKS = [dict(), dict(topk_block=2048, topk_warps=8), dict(topk_ctas_per_sm=4),
+         dict(topk_block=512, topk_ctas_per_sm=4), dict(topk_block=4096, topk_warps=8)]
+
+
+def run_variant(inp, kind: str, v: dict, ncalls: int) -> dict:
+    """Time one configuration on one shape; check its step output."""
+    from vllm_sparse_sync.kernels import triton_ops as tk
+    from vllm_sparse_sync.kernels.triton_scorer import launch_score
+    from vllm_sparse_sync.kernels.verify import topk_violations
+
+    B, L = inp.B, inp.L
+    cfg = replace(DEFAULT_CONFIG, **v)
+    ws = IndexerTopkWorkspace(B, TOPK, L, DEV, config=cfg)
+    out = torch.empty(B, TOPK, dtype=torch.int32, device=DEV)
+    res = dict(B=B, L=L, kind=kind, variant=v)
+    try:
+        if kind == "scorer":
+            res["us"] = timeit(lambda i: lambda: launch_score(
+                *inp.args(i), None, ws.logits, page_size=PAGE, sel_width=L, fill_width=0,
+                splits=ws.score_splits(B), config=cfg), ncalls)
+            res["tbs"] = B * L * 132 / (res["us"] * 1e-6) / 1e12
+        res["step_us"] = timeit(lambda i: lambda: tk.indexer_topk(
+            *inp.args(i), TOPK, width=L, workspace=ws, out=out), ncalls)
+        got = tk.indexer_topk(*inp.args(0), TOPK, width=L, workspace=ws)
+        dense = tk.paged_indexer_logits(*inp.args(0), L)
+        bad = topk_violations(got[:2], dense[:2], inp.lens[:2], TOPK, tol=1e-3)
+        res["check"] = "ok" if not bad else bad[0]
+    except Exception as exc:
+        res["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="64x65536,8x65536,1x131072,1x4096")
+    a = ap.parse_args()
+    for shape in a.shapes.split(","):
+        B, L = (int(x) for x in shape.split("x"))
+        copies = max(2, min(128, math.ceil(L2_BYTES / (B * L * 132))))
+        inp = Inputs(B, L, copies)
+        for kind, variants in (("scorer", SCORER), ("topk", TOPKS)):
+            for v in variants:
+                res = run_variant(inp, kind, v, max(12, copies))
+                print(json.dumps({k: (round(x, 2) if isinstance(x, float) else x) for k, x in res.items()}),
+                      flush=True)
+        del inp
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,222 @@
+"""Compiled Triton indexer kernels on a CUDA device: reference agreement, bounds, shapes, capture.
+
+Every test carries ``@pytest.mark.gpu`` and skips without CUDA. The kernel modules are imported
+inside the tests so that collecting this module on a CPU host never decorates them un-interpreted
+(``test_kernels_interpret`` owns that).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm_sparse_sync.kernels import reference as ref
+from vllm_sparse_sync.kernels.synth import make_case
+from vllm_sparse_sync.kernels.verify import topk_violations
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+DEV = "cuda"
+
+
+def _ops():
+    from vllm_sparse_sync.kernels import triton_ops
+
+    return triton_ops
+
+
+def _ws(rows, k, width=0):
+    from vllm_sparse_sync.kernels.workspace import IndexerTopkWorkspace
+
+    return IndexerTopkWorkspace(rows, k, width, DEV)
+
+
+def _tol(logits):
+    finite = logits[torch.isfinite(logits)]
+    return 1e-5 * float(finite.abs().max()) + 1e-5 if finite.numel() else 0.0
+
+
+def _active(n):
+    return torch.tensor([n], dtype=torch.int32, device=DEV)
+
+
+def test_write_index_k_cache_matches_reference():
+    torch.manual_seed(0)
+    k8, ks = ref.quantize_index_k(torch.randn(3000, 128, device=DEV))
+    slots = torch.randperm(64 * 64, device=DEV)[:3000]
+    slots[::7] = -1
+    a = torch.zeros(64, 64 * 132, dtype=torch.uint8, device=DEV)
+    b = a.clone()
+    ref.write_index_k_cache(a, k8, ks, slots)
+    _ops().write_index_k_cache(b, k8, ks, slots)
+    assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("heads", [64, 32])
+def test_dense_logits_match_reference(heads):
+    lens = [0, 64, 4096, 1000, 3333, 64 * 50]
+    case = make_case(lens, heads=heads, table_pages=70, device=DEV, seed=1)
+    case.block_table[2, 3] = -1
+    for width, active in [(4096, None), (70 * 64, None), (70 * 64, _active(4096)), (8000, _active(2000))]:
+        got = _ops().paged_indexer_logits(*case.args, width, active_width=active)
+        want = ref.paged_indexer_logits(*case.args, width, active_width=active)
+        assert torch.equal(torch.isinf(got), torch.isinf(want))
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("k", [512, 1024, 2048])
+@pytest.mark.parametrize("rows", [1, 8, 64, 256])
+def test_topk_exact_on_dense_logits(k, rows):
+    g = torch.Generator(device="cpu").manual_seed(rows * 7 + k)
+    lens = torch.randint(0, 12000, (rows,), generator=g)
+    lens[0] = k  # length == k
+    if rows > 2:
+        lens[1], lens[2] = 0, k + 1
+    width = 12288
+    logits = torch.randn(rows, width, device=DEV)
+    logits[:, ::5] = logits[:, 1::5][:, : logits[:, ::5].shape[1]]  # many exact ties
+    lens = lens.to(torch.int32).to(DEV)
+    got = _ops().topk_indices(logits, lens, k)
+    assert topk_violations(got, logits, ref.effective_lengths(lens, width), k) == []
+    assert torch.equal(got, _ops().topk_indices(logits, lens, k))
+
+
+@pytest.mark.parametrize("heads,k", [(64, 2048), (32, 2048), (64, 512), (64, 1024)])
+@pytest.mark.parametrize("bound", ["exact", "host_128k", "active_128k"])
+def test_indexer_topk_bounds(heads, k, bound):
+    lens = [0, 17, k, k + 1, 9000, 64 * 100, 20000]
+    case = make_case(lens, heads=heads, table_pages=2048, device=DEV, seed=heads + k)
+    width, active = {
+        "exact": (max(lens), None),
+        "host_128k": (131072, None),
+        "active_128k": (131072, _active(max(lens))),
+    }[bound]
+    ws = _ws(len(lens), k, width)
+    got = _ops().indexer_topk(*case.args, k, active_width=active, width=width, workspace=ws)
+    logits = ref.paged_indexer_logits(*case.args, width, active_width=active)
+    eff = ref.effective_lengths(case.row_lens, width, active)
+    assert topk_violations(got, logits, eff, k, tol=_tol(logits)) == []
+    again = _ops().indexer_topk(*case.args, k, active_width=active, width=width, workspace=ws)
+    assert torch.equal(got, again)
+    assert int(ws.hist.abs().sum()) == 0
+
+
+def test_indexer_topk_long_rows_and_ties():
+    k = 2048
+    lens = [131072, 131000, 65536]
+    case = make_case(lens, heads=64, device=DEV, seed=9, ties=True)
+    dense = _ops().paged_indexer_logits(*case.args, 131072)
+    got = _ops().indexer_topk(*case.args, k, width=131072)
+    eff = ref.effective_lengths(case.row_lens, 131072)
+    assert topk_violations(got, dense, eff, k, tol=_tol(dense)) == []
+    want = ref.paged_indexer_logits(*case.args, 131072)
+    torch.testing.assert_close(dense, want, rtol=1e-4, atol=1e-3)
+
+
+def test_compressed_and_mtp_rows():
+    # ratio-4 compressed rows (L/4 entries, k=512) and MTP: two rows per request sharing a table
+    ctx = [131072, 40000, 9000, 2052]
+    lens = []
+    for c in ctx:
+        lens += [c // 4 - 1, c // 4]
+    case = make_case(lens, heads=64, device=DEV, seed=11)
+    case.block_table[0::2] = case.block_table[1::2]
+    for k in (512, 1024):
+        got = _ops().indexer_topk(*case.args, k)
+        logits = ref.paged_indexer_logits(*case.args, case.block_table.shape[1] * 64)
+        eff = ref.effective_lengths(case.row_lens, logits.shape[1])
+        assert topk_violations(got, logits, eff, k, tol=_tol(logits)) == []
+
+
+def _capture(fn):
+    fn()
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    torch.cuda.synchronize()
+    return graph, out
+
+
+def _refill(case, new):
+    """Write ``new``'s lengths, page table and cache into ``case``'s tensors in place."""
+    case.row_lens.copy_(new.row_lens)
+    case.block_table.copy_(new.block_table)
+    case.k_cache.copy_(new.k_cache)
+    case.q_fp8.copy_(new.q_fp8)
+    case.weights.copy_(new.weights)
+
+
+@pytest.mark.parametrize("contract", ["host_width", "active_width"])
+def test_capture_replay_with_new_lengths_tables_and_bounds(contract):
+    k, rows, table = 512, 4, 128
+    width = table * 64
+    mk = lambda lens, seed: make_case(lens, heads=64, table_pages=table, num_pages=600,  # noqa: E731
+                                      device=DEV, seed=seed)
+    case = mk([3000, 0, 8192, 600], 1)
+    active = _active(8192) if contract == "active_width" else None
+    ws = _ws(rows, k, width)
+    out_idx = torch.empty(rows, k, dtype=torch.int32, device=DEV)
+    dense = torch.empty(rows, width, dtype=torch.float32, device=DEV)
+    top_dense = torch.empty(rows, k, dtype=torch.int32, device=DEV)
+    ws_dense = _ws(rows, k)
+    ops = _ops()
+
+    def step():
+        ops.indexer_topk(*case.args, k, active_width=active, width=width, workspace=ws, out=out_idx)
+        ops.paged_indexer_logits(*case.args, width, active_width=active, out=dense)
+        ops.topk_indices(dense, case.row_lens, k, active_width=active, workspace=ws_dense, out=top_dense)
+        return out_idx
+
+    graph, _ = _capture(step)
+    for seed, lens, bound in [(2, [8000, 5, 512, 7000], 8000), (3, [100, 4000, 0, 8192], 8192)]:
+        new = mk(lens, seed)
+        _refill(case, new)
+        if active is not None:
+            active.fill_(bound)
+        before = torch.cuda.memory_allocated()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.cuda.memory_allocated() == before
+        replayed = (out_idx.clone(), dense.clone(), top_dense.clone())
+        eager = (
+            ops.indexer_topk(*case.args, k, active_width=active, width=width),
+            ops.paged_indexer_logits(*case.args, width, active_width=active),
+        )
+        assert torch.equal(replayed[0], eager[0])
+        assert torch.equal(replayed[1], eager[1])
+        logits = ref.paged_indexer_logits(*case.args, width, active_width=active)
+        torch.testing.assert_close(replayed[1], logits, rtol=1e-4, atol=1e-3)
+        eff = ref.effective_lengths(case.row_lens, width, active)
+        assert topk_violations(replayed[0], logits, eff, k, tol=_tol(logits)) == []
+        assert topk_violations(replayed[2], replayed[1], eff, k) == []
+
+
+def test_capture_write_index_k_cache():
+    cache = torch.zeros(32, 64 * 132, dtype=torch.uint8, device=DEV)
+    k8, ks = ref.quantize_index_k(torch.randn(100, 128, device=DEV))
+    slots = torch.arange(100, device=DEV, dtype=torch.int64)
+    ops = _ops()
+    graph, _ = _capture(lambda: ops.write_index_k_cache(cache, k8, ks, slots))
+    new8, news = ref.quantize_index_k(torch.randn(100, 128, device=DEV))
+    k8.copy_(new8)
+    ks.copy_(news)
+    slots.copy_(torch.randperm(32 * 64, device=DEV)[:100])
+    slots[::9] = -1
+    graph.replay()
+    want = torch.zeros_like(cache)
+    ref.write_index_k_cache(want, k8, ks, slots)
+    # the graph also wrote the first (pre-capture) slots; compare the newly written ones
+    got_vals, got_scales = ref.split_index_k_cache(cache)
+    want_vals, want_scales = ref.split_index_k_cache(want)
+    live = slots[slots >= 0]
+    p, o = live // 64, live % 64
+    assert torch.equal(got_vals[p, o].view(torch.uint8), want_vals[p, o].view(torch.uint8))
+    assert torch.equal(got_scales[p, o], want_scales[p, o])

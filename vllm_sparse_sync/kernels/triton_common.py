@@ -1,0 +1,79 @@
+"""Triton device helpers shared by the indexer kernels: live lengths, sortable keys, radix digits.
+
+Keys: a float32 score maps to an int32 whose signed order is the float order
+(``b`` if ``b >= 0`` else ``b ^ 0x7FFFFFFF`` on the float's bits). Radix passes read 8-bit
+digits from the top: pass 0 uses bits 31..24 with the sign flipped, passes 1..3 the next bytes.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+RADIX_BINS = 256
+RADIX_PASSES = 4
+
+
+@triton.jit
+def live_length(lens_ptr, active_ptr, row, sel_width, HAS_ACTIVE: tl.constexpr):
+    """Device length of ``row``: ``min(row_len, sel_width, active[0])``, at least 0."""
+    n = tl.load(lens_ptr + row).to(tl.int32)
+    n = tl.minimum(tl.maximum(n, 0), sel_width)
+    if HAS_ACTIVE:
+        a = tl.load(active_ptr).to(tl.int32)
+        n = tl.minimum(n, tl.maximum(a, 0))
+    return n
+
+
+@triton.jit
+def sortable_key(x):
+    """int32 key of a float32 tensor, ordered as the floats (signed compare)."""
+    b = x.to(tl.int32, bitcast=True)
+    return tl.where(b < 0, b ^ 0x7FFFFFFF, b)
+
+
+@triton.jit
+def radix_digit(key, PASS: tl.constexpr):
+    """8-bit digit of ``key`` for radix pass ``PASS`` (0 = most significant), unsigned order."""
+    if PASS == 0:
+        d = ((key >> 24) & 0xFF) ^ 0x80
+    else:
+        d = (key >> (24 - 8 * PASS)) & 0xFF
+    return d
+
+
+@triton.jit
+def pick_digit(h, need):
+    """Digit ``d`` of a 256-bin histogram where the ``need``-th largest falls; returns (d, need left in d)."""
+    idx = tl.arange(0, 256)
+    incl = tl.cumsum(h, 0)
+    total = tl.sum(h, 0)
+    ge = total - incl + h
+    d = tl.max(tl.where(ge >= need, idx, -1), 0)
+    gt = tl.sum(tl.where(idx > d, h, 0), 0)
+    return d, need - gt
+
+
+@triton.jit
+def derive_prefix(hist_row_ptr, pass_stride, K: tl.constexpr, PASSES: tl.constexpr):
+    """Key prefix fixed by the first ``PASSES`` radix passes of a row, and how many ties it still needs.
+
+    After 4 passes the prefix is the full key of the k-th largest element (signed int32).
+    """
+    idx = tl.arange(0, 256)
+    need = tl.full((), K, tl.int32)
+    prefix = tl.full((), 0, tl.int32)
+    for p in tl.static_range(PASSES):
+        h = tl.load(hist_row_ptr + p * pass_stride + idx)
+        d, need = pick_digit(h, need)
+        if p == 0:
+            prefix = d - 128
+        else:
+            prefix = prefix * 256 + d
+    return prefix, need
+
+
+@triton.jit
+def lanes_where(flag, lanes):
+    """Scalar ``flag`` broadcast to the shape of ``lanes`` (int1): masks that mix both (interpreter-safe)."""
+    return (lanes * 0 + flag.to(tl.int32)) != 0

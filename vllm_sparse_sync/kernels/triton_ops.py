@@ -1,0 +1,187 @@
+"""Triton versions of the indexer kernels, same signatures and semantics as ``reference``.
+
+Host work here is shape checks and launches only: no device-to-host reads, so every call can be
+captured in a CUDA graph once its kernels are compiled (call it once before capture) and its
+scratch comes from an ``IndexerTopkWorkspace`` made outside capture.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import reference as ref
+from .triton_cache import write_k_cache_kernel
+from .triton_scorer import launch_score
+from .triton_topk import launch_radix_topk
+from .workspace import DEFAULT_CONFIG, IndexerTopkWorkspace, KernelConfig
+
+_check = ref._check
+
+
+def write_index_k_cache(
+    k_cache: torch.Tensor, k_fp8: torch.Tensor, k_scale: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Scatter quantized keys into the planar page layout, in place.
+
+    Slots ``< 0`` or past the cache are skipped (no host check: the call stays capturable).
+    """
+    _check(k_fp8.dim() == 2, "k_fp8", f"must be 2-D [tokens, head_dim], got {tuple(k_fp8.shape)}")
+    head_dim = k_fp8.shape[1]
+    page = ref.page_size_of(k_cache, head_dim)
+    _check(k_cache.stride(1) == 1, "k_cache", "last dimension must be contiguous")
+    _check(k_fp8.dtype == ref.FP8_DTYPE, "k_fp8", f"must be {ref.FP8_DTYPE}, got {k_fp8.dtype}")
+    _check(k_scale.dtype == torch.float32 and k_scale.shape == (k_fp8.shape[0],), "k_scale",
+           f"must be float32 [{k_fp8.shape[0]}], got {k_scale.dtype} {tuple(k_scale.shape)}")
+    _check(slot_mapping.shape == (k_fp8.shape[0],), "slot_mapping",
+           f"must have one slot per token ({k_fp8.shape[0]}), got {tuple(slot_mapping.shape)}")
+    tokens = k_fp8.shape[0]
+    if tokens == 0:
+        return
+    write_k_cache_kernel[(tokens,)](
+        k_cache, k_fp8.contiguous().view(torch.uint8), k_scale.contiguous().view(torch.uint8),
+        slot_mapping, k_cache.shape[0] * page, k_cache.stride(0),
+        D=head_dim, PAGE=page, num_warps=1,
+    )
+
+
+def _check_cache(k_cache: torch.Tensor, head_dim: int) -> int:
+    page = ref.page_size_of(k_cache, head_dim)
+    _check(k_cache.stride(1) == 1 and k_cache.stride(0) % 4 == 0, "k_cache",
+           "needs a contiguous last dimension and a page stride divisible by 4")
+    return page
+
+
+def _check_scorer(q_fp8, weights, k_cache, block_table, row_lens, active_width) -> int:
+    ref._check_scorer_inputs(q_fp8, weights, k_cache, block_table, row_lens, active_width)
+    _check(q_fp8.is_contiguous() and weights.is_contiguous(), "q_fp8/weights", "must be contiguous")
+    _check(block_table.stride(1) == 1, "block_table", "last dimension must be contiguous")
+    _check(block_table.dtype in (torch.int32, torch.int64), "block_table",
+           f"must be int32 or int64, got {block_table.dtype}")
+    heads = q_fp8.shape[1]
+    _check(heads & (heads - 1) == 0 and heads >= 16, "q_fp8",
+           f"heads must be a power of two >= 16, got {heads}")
+    return _check_cache(k_cache, q_fp8.shape[2])
+
+
+def paged_indexer_logits(
+    q_fp8: torch.Tensor,
+    weights: torch.Tensor,
+    k_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    row_lens: torch.Tensor,
+    width: int,
+    *,
+    active_width: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    config: KernelConfig = DEFAULT_CONFIG,
+) -> torch.Tensor:
+    """Indexer scores ``fp32 [rows, width]``; ``-inf`` past each row's live length.
+
+    Dense semantics: the ``-inf`` fill past the live lengths costs in proportion to ``width``.
+    """
+    page = _check_scorer(q_fp8, weights, k_cache, block_table, row_lens, active_width)
+    width = int(width)
+    _check(width >= 0, "width", f"must be >= 0, got {width}")
+    rows = q_fp8.shape[0]
+    if out is None:
+        out = torch.empty(rows, width, dtype=torch.float32, device=q_fp8.device)
+    _check(out.shape == (rows, width) and out.dtype == torch.float32 and out.stride(1) == 1, "out",
+           f"must be float32 [{rows}, {width}] with contiguous rows")
+    if rows == 0 or width == 0:
+        return out
+    splits = max(1, config.score_ctas_per_sm * _sms(q_fp8.device) // rows)
+    launch_score(
+        q_fp8, weights, k_cache, block_table, row_lens, active_width, out, page_size=page,
+        sel_width=min(width, block_table.shape[1] * page), fill_width=width, splits=splits,
+        config=config,
+    )
+    return out
+
+
+def _sms(device: torch.device) -> int:
+    from .workspace import device_sm_count
+
+    return device_sm_count(str(device))
+
+
+def _workspace(workspace, rows, k, width, device) -> IndexerTopkWorkspace:
+    if workspace is None:
+        workspace = IndexerTopkWorkspace(rows, k, width, device)
+    workspace.check(rows, k, width)
+    return workspace
+
+
+def topk_indices(
+    logits: torch.Tensor,
+    row_lens: torch.Tensor,
+    k: int,
+    *,
+    active_width: torch.Tensor | None = None,
+    workspace: IndexerTopkWorkspace | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Top-``k`` positions per row ``int32 [rows, k]`` among the row's live positions, ``-1`` padded."""
+    _check(logits.dim() == 2, "logits", f"must be 2-D [rows, width], got {tuple(logits.shape)}")
+    _check(logits.dtype == torch.float32 and logits.stride(1) == 1, "logits",
+           "must be float32 with contiguous rows")
+    _check(row_lens.shape == (logits.shape[0],), "row_lens",
+           f"must be [rows={logits.shape[0]}], got {tuple(row_lens.shape)}")
+    _check(int(k) > 0, "k", f"must be > 0, got {k}")
+    if active_width is not None:
+        _check(active_width.numel() == 1, "active_width", "must hold one element")
+    rows, width = logits.shape
+    k = int(k)
+    if out is None:
+        out = torch.empty(rows, k, dtype=torch.int32, device=logits.device)
+    _check(out.shape == (rows, k) and out.dtype == torch.int32 and out.stride(1) == 1, "out",
+           f"must be int32 [{rows}, {k}] with contiguous rows")
+    if rows == 0:
+        return out
+    ws = _workspace(workspace, rows, k, 0, logits.device)
+    launch_radix_topk(logits, logits.stride(0), row_lens, active_width, ws, out, k, width)
+    return out
+
+
+def indexer_topk(
+    q_fp8: torch.Tensor,
+    weights: torch.Tensor,
+    k_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    row_lens: torch.Tensor,
+    k: int,
+    *,
+    active_width: torch.Tensor | None = None,
+    width: int | None = None,
+    workspace: IndexerTopkWorkspace | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The whole decode indexer step, score then select (``int32 [rows, k]``).
+
+    Scores go to the workspace's internal buffer for live columns only (nothing is filled past a
+    row's length), and the scorer also builds the first radix histogram, so the step is the scorer
+    plus four top-k launches whatever the width.
+    """
+    page = _check_scorer(q_fp8, weights, k_cache, block_table, row_lens, active_width)
+    rows = q_fp8.shape[0]
+    k = int(k)
+    _check(k > 0, "k", f"must be > 0, got {k}")
+    if width is None:
+        width = block_table.shape[1] * page
+    width = int(width)
+    _check(width >= 0, "width", f"must be >= 0, got {width}")
+    if out is None:
+        out = torch.empty(rows, k, dtype=torch.int32, device=q_fp8.device)
+    _check(out.shape == (rows, k) and out.dtype == torch.int32 and out.stride(1) == 1, "out",
+           f"must be int32 [{rows}, {k}] with contiguous rows")
+    if rows == 0:
+        return out
+    ws = _workspace(workspace, rows, k, width, q_fp8.device)
+    logits = ws.logits
+    launch_score(
+        q_fp8, weights, k_cache, block_table, row_lens, active_width, logits, page_size=page,
+        sel_width=width, fill_width=0, splits=ws.score_splits(rows), config=ws.config,
+        hist=ws.hist, k=k,
+    )
+    launch_radix_topk(logits, logits.stride(0), row_lens, active_width, ws, out, k, width,
+                      first_pass=False)
+    return out

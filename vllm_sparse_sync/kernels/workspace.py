@@ -1,0 +1,107 @@
+"""Static plan and preallocated scratch for the Triton indexer kernels (made outside graph capture).
+
+Every launch shape here comes from host capacities (row count, SM count, top-k, logits width
+capacity), never from live lengths, so a captured graph replays the same schedule for any
+lengths or bounds written in place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+
+import torch
+
+
+@cache
+def device_sm_count(device: str) -> int:
+    """Streaming multiprocessors of a CUDA device (host query, cached); 4 elsewhere (interpreter)."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return torch.cuda.get_device_properties(dev).multi_processor_count
+    return 4
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Fixed launch configuration (no autotuning) of the scorer and the top-k passes."""
+
+    score_tile: int = 128  # tokens per scorer iteration (multiple of the page size)
+    score_warps: int = 4
+    score_stages: int = 3
+    score_ctas_per_sm: int = 2  # scorer programs in flight per SM, split over rows
+    topk_block: int = 1024  # scores per top-k iteration
+    topk_warps: int = 4
+    topk_ctas_per_sm: int = 2
+    topk_max_chunks: int = 512
+
+    def __post_init__(self) -> None:
+        for name in ("score_tile", "topk_block"):
+            v = getattr(self, name)
+            if v <= 0 or v & (v - 1):
+                raise ValueError(f"{name}: must be a power of two, got {v}")
+
+
+DEFAULT_CONFIG = KernelConfig()
+
+
+class IndexerTopkWorkspace:
+    """Scratch for ``topk_indices`` / ``indexer_topk`` on one device, sized from capacities.
+
+    ``rows``: most rows per call; ``k``: top-k; ``width``: logits capacity of the internal scores
+    buffer used by ``indexer_topk`` (0 for a top-k-only workspace). Histograms start at zero and
+    every call leaves them at zero.
+    """
+
+    def __init__(
+        self,
+        rows: int,
+        k: int,
+        width: int = 0,
+        device: torch.device | str = "cuda",
+        *,
+        config: KernelConfig = DEFAULT_CONFIG,
+        num_sms: int | None = None,
+    ) -> None:
+        if rows <= 0 or k <= 0 or width < 0:
+            raise ValueError(
+                f"IndexerTopkWorkspace: need rows > 0, k > 0, width >= 0; got {rows}, {k}, {width}"
+            )
+        self.device = torch.device(device)
+        self.rows, self.k, self.width = int(rows), int(k), int(width)
+        self.config = config
+        self.num_sms = int(num_sms) if num_sms is not None else device_sm_count(str(self.device))
+        max_pairs = max(self.num_sms * config.topk_ctas_per_sm, self.rows)
+        i32 = dict(dtype=torch.int32, device=self.device)
+        self.hist = torch.zeros(4 * self.rows * 256, **i32)
+        self.done = torch.zeros(self.rows, **i32)
+        self.chunk_sfx = torch.zeros(max_pairs * 256, **i32)
+        self.chunk_gt = torch.zeros(max_pairs, **i32)
+        self.logits = torch.empty(
+            self.rows if width else 0, self.width, dtype=torch.float32, device=self.device
+        )
+
+    @property
+    def topk_block(self) -> int:
+        return self.config.topk_block
+
+    @property
+    def topk_warps(self) -> int:
+        return self.config.topk_warps
+
+    def topk_chunks(self, rows: int) -> int:
+        """Programs per row of the top-k passes, from the static row count."""
+        c = self.num_sms * self.config.topk_ctas_per_sm // max(rows, 1)
+        return max(1, min(self.config.topk_max_chunks, c))
+
+    def score_splits(self, rows: int) -> int:
+        """Programs per row of the scorer, from the static row count."""
+        return max(1, self.num_sms * self.config.score_ctas_per_sm // max(rows, 1))
+
+    def check(self, rows: int, k: int, width: int = 0) -> None:
+        if rows > self.rows:
+            raise ValueError(f"workspace: {rows} rows exceed its capacity of {self.rows}")
+        if k != self.k:
+            raise ValueError(f"workspace: planned for k={self.k}, called with k={k}")
+        if width > self.width:
+            raise ValueError(f"workspace: logits width {width} exceeds its capacity of {self.width}")
