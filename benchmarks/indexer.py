@@ -332,10 +332,10 @@ def main() -> None:
         rows.append(res)
         del inp
         torch.cuda.empty_cache()
+        if a.out:  # after every shape, so a run cut short keeps what it measured
+            os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+            json.dump(dict(meta=meta, copy_tbs=bw, shapes=rows), open(a.out, "w"), indent=1)
     print(table(rows))
-    if a.out:
-        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-        json.dump(dict(meta=meta, copy_tbs=bw, shapes=rows), open(a.out, "w"), indent=1)
 
 
 if __name__ == "__main__":
