@@ -208,7 +208,7 @@ def test_prototype():
 
 def test_other_warnings_still_error():
     warnings.warn("something else", UserWarning)
-""", "-W", "error")
+""", "-W", "error", "-p", "no:benchmark")
     result.assert_outcomes(passed=1, failed=1)
     result.stdout.fnmatch_lines(["*FAILED*test_other_warnings_still_error*"])
 

@@ -155,6 +155,13 @@ def meta_host_reads(builder: IndexerMetadataBuilder, batch: DecodeBatch) -> tupl
     return 0, ""
 
 
+def harness_host_reads(builder: IndexerMetadataBuilder, batch: DecodeBatch) -> tuple[int, str]:
+    """Host reads of one ``build()`` seen by the sync harness (all layers that run here)."""
+    from .testing.audit_reads import host_reads
+
+    return host_reads(builder, batch)
+
+
 def _topk(path: AuditPath, inputs: tuple, meta_rows, width: int) -> torch.Tensor:
     q, w, cache, bt = inputs
     lay = path.layout
@@ -165,7 +172,7 @@ def _topk(path: AuditPath, inputs: tuple, meta_rows, width: int) -> torch.Tensor
 
 
 def audit_path(path: AuditPath, device: torch.device, *, seed: int = 0,
-               host_reads: HostReadCounter = meta_host_reads) -> AuditRow:
+               host_reads: HostReadCounter = harness_host_reads) -> AuditRow:
     """Run one path and check its invariants."""
     gen = torch.Generator().manual_seed(seed)
     case = _make_case(path, device, gen)
@@ -216,7 +223,7 @@ def default_device() -> torch.device:
 
 
 def run_audit(paths: Sequence[AuditPath] = AUDIT_PATHS, device: torch.device | None = None,
-              seed: int = 0, host_reads: HostReadCounter = meta_host_reads) -> list[AuditRow]:
+              seed: int = 0, host_reads: HostReadCounter = harness_host_reads) -> list[AuditRow]:
     """Audit every path; returns one row per path."""
     device = device or default_device()
     rows = []

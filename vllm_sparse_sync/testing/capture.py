@@ -7,7 +7,12 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from .cuda_env import no_cuda_reason
-from .layers.capture_probe import CaptureProbe, end_failed_capture, reset_cuda_rng
+from .layers.capture_probe import (
+    CaptureProbe,
+    clear_cuda_error,
+    end_failed_capture,
+    reset_cuda_rng,
+)
 from .layers.debug_mode import DebugModeLayer
 from .records import HostSyncError
 
@@ -97,6 +102,7 @@ class DecodeGraph:
                 errors = end_failed_capture(graph, device)
         error = error or (errors[0] if errors else None)
         if error is not None:
+            clear_cuda_error()
             reset_cuda_rng(device)
             graph.reset()
             record = CaptureProbe._record(error)

@@ -47,6 +47,16 @@ def end_failed_capture(graph, device: int) -> list[BaseException]:
     return errors
 
 
+def clear_cuda_error() -> None:
+    """Drop a pending CUDA runtime error left by a rejected call (e.g. an extension's sync)."""
+    try:
+        from ..probes import _cudart
+
+        _cudart().cudaGetLastError()
+    except Exception:
+        pass
+
+
 class CaptureProbe:
     """Captures `step_fn` once (after an eager warm-up), reports whatever made it fail."""
 
@@ -97,6 +107,7 @@ class CaptureProbe:
             failed = True
             records.append(self._record(errors[0]))
         if failed:
+            clear_cuda_error()
             reset_cuda_rng(device)
         try:
             graph.reset()

@@ -93,7 +93,7 @@ def records_from_events(events, *, fallback: Frame = UNKNOWN,
                         thread_names: dict | None = None) -> list[SyncRecord]:
     """Sync records from profiler FunctionEvents, counting only calls inside the region."""
     events = list(events)
-    regions = [e for e in events if e.name == REGION]
+    regions = [e for e in events if e.name == REGION and not _is_device_event(e)]
     if not regions:
         return []
     spans = [(r.time_range.start, r.time_range.end) for r in regions]
