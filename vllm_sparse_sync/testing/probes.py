@@ -8,6 +8,7 @@ measured, not asserted).
 from __future__ import annotations
 
 import ctypes
+import functools
 import glob
 import os
 from collections.abc import Callable
@@ -24,9 +25,15 @@ class Op:
     tensor_read: bool = True  # a read of x's values (what the sentinel can see)
 
 
+@functools.lru_cache(maxsize=1)
 def _cudart():
     """libcudart through ctypes (torch's lib dir or the nvidia-cuda-runtime wheel)."""
     cands = []
+    try:  # the copy torch already loaded, if any
+        with open("/proc/self/maps") as f:
+            cands += sorted({line.split()[-1] for line in f if "libcudart.so" in line})
+    except OSError:
+        pass
     tdir = os.path.join(os.path.dirname(torch.__file__), "lib")
     cands += glob.glob(os.path.join(tdir, "libcudart*.so*"))
     try:
