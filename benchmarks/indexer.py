@@ -292,6 +292,7 @@ def main() -> None:
     ap.add_argument("--peers-only", action="store_true")
     ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--config", default="")
+    ap.add_argument("--config-file", default="", help="JSON config (variants.py --best); overrides --config")
     ap.add_argument("--combine", nargs="*")
     a = ap.parse_args()
     if a.combine:
@@ -304,6 +305,8 @@ def main() -> None:
     if a.shapes:
         shapes = [tuple(int(x) for x in s.split("x")) for s in a.shapes.split(",")]
     config = parse_config(a.config)
+    if a.config_file and os.path.exists(a.config_file):
+        config = replace(DEFAULT_CONFIG, **json.load(open(a.config_file)))
     dg = None if a.no_peers else load_deepgemm()
     vt = None if a.no_peers else load_vllm_topk()
     bw = copy_tbs()

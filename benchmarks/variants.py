@@ -1,8 +1,10 @@
-"""Time fixed kernel configurations of the scorer and the top-k at a few shapes (to pick defaults).
+"""Time fixed kernel configurations of the scorer and the top-k at a few shapes; pick defaults.
 
-    python benchmarks/variants.py [--shapes 64x65536,1x131072]
+    python benchmarks/variants.py [--shapes 64x65536,1x131072] [--best best.json]
 
-Each variant also checks its step output (rows 0..1) against its own dense logits.
+Each variant also checks its step output (rows 0..1) against its own dense logits. ``--best``
+writes the fastest precise scorer, top-k and fusion choice (summed over shapes) as a config
+that ``indexer.py --config-file`` reads.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import json
 import math
 import os
 import sys
-from dataclasses import replace
+from dataclasses import asdict, replace
 
 import torch
 
@@ -21,12 +23,12 @@ from indexer import DEV, L2_BYTES, PAGE, TOPK, Inputs, timeit  # noqa: E402
 
 from vllm_sparse_sync.kernels.workspace import DEFAULT_CONFIG, IndexerTopkWorkspace  # noqa: E402
 
-SCORER = [dict(), dict(score_tile=64), dict(score_warps=8), dict(score_tile=256, score_warps=8),
-          dict(score_stages=4), dict(score_stages=2, score_ctas_per_sm=4),
-          dict(score_tile=64, score_stages=4, score_ctas_per_sm=4), dict(score_ctas_per_sm=1),
-          dict(score_ctas_per_sm=4)]
-TOPKS = [dict(), dict(topk_block=2048, topk_warps=8), dict(topk_ctas_per_sm=4),
-         dict(topk_block=512, topk_ctas_per_sm=4), dict(topk_block=4096, topk_warps=8)]
+SCORER = [dict(), dict(precise=0), dict(score_tile=128), dict(score_tile=128, score_warps=8),
+          dict(score_ctas_per_sm=2), dict(score_stages=3), dict(score_ctas_per_sm=8, score_stages=3),
+          dict(fuse_hist=0)]
+TOPKS = [dict(), dict(topk_ctas_per_sm=8), dict(topk_ctas_per_sm=16),
+         dict(topk_block=2048, topk_warps=8), dict(topk_block=4096, topk_warps=8, topk_ctas_per_sm=8),
+         dict(topk_block=512, topk_ctas_per_sm=16)]
 
 
 def run_variant(inp, kind: str, v: dict, ncalls: int) -> dict:
@@ -41,15 +43,20 @@ def run_variant(inp, kind: str, v: dict, ncalls: int) -> dict:
     out = torch.empty(B, TOPK, dtype=torch.int32, device=DEV)
     res = dict(B=B, L=L, kind=kind, variant=v)
     try:
+        dense = tk.paged_indexer_logits(*inp.args(0), L, config=cfg)
         if kind == "scorer":
             res["us"] = timeit(lambda i: lambda: launch_score(
                 *inp.args(i), None, ws.logits, page_size=PAGE, sel_width=L, fill_width=0,
                 splits=ws.score_splits(B), config=cfg), ncalls)
             res["tbs"] = B * L * 132 / (res["us"] * 1e-6) / 1e12
+        else:
+            copies = [dense] + [dense.clone() for _ in range(max(1, min(ncalls, 8)) - 1)]
+            tws = IndexerTopkWorkspace(B, TOPK, 0, DEV, config=cfg)
+            res["topk_us"] = timeit(lambda i: lambda: tk.topk_indices(
+                copies[i % len(copies)], inp.lens, TOPK, workspace=tws, out=out), ncalls)
         res["step_us"] = timeit(lambda i: lambda: tk.indexer_topk(
             *inp.args(i), TOPK, width=L, workspace=ws, out=out), ncalls)
         got = tk.indexer_topk(*inp.args(0), TOPK, width=L, workspace=ws)
-        dense = tk.paged_indexer_logits(*inp.args(0), L)
         bad = topk_violations(got[:2], dense[:2], inp.lens[:2], TOPK, tol=1e-3)
         res["check"] = "ok" if not bad else bad[0]
     except Exception as exc:
@@ -57,10 +64,27 @@ def run_variant(inp, kind: str, v: dict, ncalls: int) -> dict:
     return res
 
 
+def pick_best(results: list[dict]) -> dict:
+    """Fastest precise scorer, fastest top-k, whether fusing the first histogram pays (shape sums)."""
+    def total(kind, key, v):
+        rs = [r for r in results if r["kind"] == kind and r["variant"] == v]
+        if any(key not in r or r.get("check") != "ok" for r in rs):
+            return float("inf")
+        return sum(r[key] for r in rs)
+
+    scorer = min((v for v in SCORER if v.get("precise", 1) and "fuse_hist" not in v),
+                 key=lambda v: total("scorer", "us", v))
+    topk = min(TOPKS, key=lambda v: total("topk", "topk_us", v))
+    fuse = int(total("scorer", "step_us", {}) <= total("scorer", "step_us", {"fuse_hist": 0}))
+    return asdict(replace(DEFAULT_CONFIG, **scorer, **topk, fuse_hist=fuse))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="64x65536,8x65536,1x131072,1x4096")
+    ap.add_argument("--best", default="")
     a = ap.parse_args()
+    results = []
     for shape in a.shapes.split(","):
         B, L = (int(x) for x in shape.split("x"))
         copies = max(2, min(128, math.ceil(L2_BYTES / (B * L * 132))))
@@ -68,10 +92,15 @@ def main() -> None:
         for kind, variants in (("scorer", SCORER), ("topk", TOPKS)):
             for v in variants:
                 res = run_variant(inp, kind, v, max(12, copies))
+                results.append(res)
                 print(json.dumps({k: (round(x, 2) if isinstance(x, float) else x) for k, x in res.items()}),
                       flush=True)
         del inp
         torch.cuda.empty_cache()
+    if a.best:
+        best = pick_best(results)
+        print("best:", json.dumps(best), flush=True)
+        json.dump(best, open(a.best, "w"))
 
 
 if __name__ == "__main__":

@@ -220,3 +220,28 @@ def test_capture_write_index_k_cache():
     p, o = live // 64, live % 64
     assert torch.equal(got_vals[p, o].view(torch.uint8), want_vals[p, o].view(torch.uint8))
     assert torch.equal(got_scales[p, o], want_scales[p, o])
+
+
+@pytest.mark.parametrize(
+    "variant", [dict(precise=0), dict(fuse_hist=0), dict(score_tile=128, topk_block=512)]
+)
+def test_config_variants(variant):
+    """Other fixed configurations: fp8 tensor-core dot (looser scores), unfused first pass, tiles."""
+    from dataclasses import replace
+
+    from vllm_sparse_sync.kernels.workspace import DEFAULT_CONFIG, IndexerTopkWorkspace
+
+    cfg = replace(DEFAULT_CONFIG, **variant)
+    k = 1024
+    lens = [0, 1000, 1025, 30000, 64 * 200]
+    case = make_case(lens, heads=64, device=DEV, seed=13)
+    width = case.block_table.shape[1] * 64
+    ws = IndexerTopkWorkspace(len(lens), k, width, DEV, config=cfg)
+    got = _ops().indexer_topk(*case.args, k, workspace=ws)
+    dense = _ops().paged_indexer_logits(*case.args, width, config=cfg)
+    want = ref.paged_indexer_logits(*case.args, width)
+    scale = float(want[torch.isfinite(want)].abs().max())
+    atol = 3e-3 * scale if not cfg.precise else 1e-3
+    torch.testing.assert_close(dense, want, rtol=1e-4, atol=atol)
+    eff = ref.effective_lengths(case.row_lens, width)
+    assert topk_violations(got, dense, eff, k, tol=_tol(dense)) == []

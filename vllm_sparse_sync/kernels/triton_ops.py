@@ -177,11 +177,12 @@ def indexer_topk(
         return out
     ws = _workspace(workspace, rows, k, width, q_fp8.device)
     logits = ws.logits
+    fuse = bool(ws.config.fuse_hist)
     launch_score(
         q_fp8, weights, k_cache, block_table, row_lens, active_width, logits, page_size=page,
         sel_width=width, fill_width=0, splits=ws.score_splits(rows), config=ws.config,
-        hist=ws.hist, k=k,
+        hist=ws.hist if fuse else None, k=k,
     )
     launch_radix_topk(logits, logits.stride(0), row_lens, active_width, ws, out, k, width,
-                      first_pass=False)
+                      first_pass=not fuse)
     return out

@@ -4,8 +4,12 @@ Grid ``(rows, splits)`` with ``splits`` from the static row count and SM count. 
 ``(r, s)`` takes tiles ``s, s + splits, ...`` of row ``r`` up to the row's device length, so
 work follows live lengths whatever the width. Per tile: gather ``TILE`` tokens of fp8 K through
 the page table, ``[TILE, D] x [D, H]`` fp8 dot, ReLU, weighted head sum, times the token scale.
-Optionally it also fills ``-inf`` past the live length (dense API) and accumulates the first
-radix histogram of the top-k (fused route).
+Strides stay specialized (Triton's divisibility hints keep the K loads 16-byte wide), so an
+eager call with a new stride compiles once: warm each captured shape first. ``PRECISE``
+(default) converts e4m3 to fp16 for the dot (exact products, fp32 accumulation, matching the
+reference to fp32 rounding); without it the dot runs on fp8 tensor cores, whose accumulation
+keeps ~14 mantissa bits (as DeepGEMM). Optionally it also fills ``-inf`` past the live length
+(dense API) and accumulates the first radix histogram of the top-k (fused route).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from .triton_common import lanes_where, live_length, radix_digit, sortable_key
 
 @triton.jit(
     do_not_specialize=[
-        "bt_stride", "out_stride", "num_pages", "page_stride", "sel_width", "live_width", "fill_width",
+        "num_pages", "sel_width", "live_width", "fill_width",
     ]
 )
 def score_kernel(
@@ -27,7 +31,7 @@ def score_kernel(
     hist_ptr, num_pages, page_stride, sel_width, live_width, fill_width,
     H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, TILE: tl.constexpr, K: tl.constexpr,
     HAS_ACTIVE: tl.constexpr, FILL_TAIL: tl.constexpr, WITH_HIST: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
+    NUM_STAGES: tl.constexpr, PRECISE: tl.constexpr,
 ):
     """Scores of row ``program_id(0)``'s live positions ``t < n``; ``-inf`` for holes and past the table."""
     row = tl.program_id(0)
@@ -40,6 +44,10 @@ def score_kernel(
     lane = tl.arange(0, TILE)
     q = tl.load(q_ptr + row * (H * D) + heads[:, None] * D + dims[None, :])
     q = q.to(tl.float8e4nv, bitcast=True)
+    if PRECISE:  # e4m3 is exact in fp16: exact products, fp32 accumulation
+        q_t = tl.trans(q.to(tl.float16))
+    else:  # fp8 tensor-core accumulation (Hopper keeps ~14 mantissa bits)
+        q_t = tl.trans(q)
     w = tl.load(w_ptr + row * H + heads)
     out_row = out_ptr + row.to(tl.int64) * out_stride
     bt_row = bt_ptr + row.to(tl.int64) * bt_stride
@@ -56,7 +64,11 @@ def score_kernel(
         slot = pos % PAGE
         kb = tl.load(kc_ptr + base[:, None] + slot[:, None] * D + dims[None, :], mask=ok[:, None], other=0)
         scale = tl.load(ks_ptr + base // 4 + (PAGE * D) // 4 + slot, mask=ok, other=0.0)
-        dots = tl.dot(kb.to(tl.float8e4nv, bitcast=True), tl.trans(q))
+        k8 = kb.to(tl.float8e4nv, bitcast=True)
+        if PRECISE:
+            dots = tl.dot(k8.to(tl.float16), q_t)
+        else:
+            dots = tl.dot(k8, q_t)
         v = tl.sum(tl.maximum(dots, 0.0) * w[None, :], axis=1) * scale
         v = tl.where(ok, v, float("-inf"))
         tl.store(out_row + pos, v, mask=inrow)
@@ -89,6 +101,6 @@ def launch_score(
         block_table.shape[1] * page_size, fill_width,
         H=heads, D=head_dim, PAGE=page_size, TILE=config.score_tile, K=max(int(k), 1),
         HAS_ACTIVE=has_active, FILL_TAIL=fill_width > 0, WITH_HIST=hist is not None,
-        NUM_STAGES=config.score_stages, num_warps=config.score_warps,
+        NUM_STAGES=config.score_stages, PRECISE=bool(config.precise), num_warps=config.score_warps,
     )
 

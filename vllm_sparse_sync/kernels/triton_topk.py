@@ -27,7 +27,7 @@ def _chunk_tiles(n, K: tl.constexpr, BLK: tl.constexpr, chunk, chunks):
     return t0, t1
 
 
-@triton.jit(do_not_specialize=["stride_r", "sel_width"])
+@triton.jit(do_not_specialize=["sel_width"])
 def radix_pass_kernel(
     x_ptr, stride_r, lens_ptr, active_ptr, hist_ptr, sfx_ptr, gt_ptr, sel_width,
     K: tl.constexpr, PASS: tl.constexpr, HAS_ACTIVE: tl.constexpr, BLK: tl.constexpr,
@@ -69,7 +69,7 @@ def radix_pass_kernel(
         tl.store(gt_ptr + row * chunks + chunk, tl.sum(above, 0))
 
 
-@triton.jit(do_not_specialize=["stride_r", "sel_width", "stride_o"])
+@triton.jit(do_not_specialize=["sel_width"])
 def radix_emit_kernel(
     x_ptr, stride_r, lens_ptr, active_ptr, hist_ptr, sfx_ptr, gt_ptr, done_ptr, out_ptr, stride_o,
     sel_width,

@@ -26,13 +26,15 @@ def device_sm_count(device: str) -> int:
 class KernelConfig:
     """Fixed launch configuration (no autotuning) of the scorer and the top-k passes."""
 
-    score_tile: int = 128  # tokens per scorer iteration (multiple of the page size)
+    score_tile: int = 64  # tokens per scorer iteration
     score_warps: int = 4
-    score_stages: int = 3
-    score_ctas_per_sm: int = 2  # scorer programs in flight per SM, split over rows
+    score_stages: int = 4
+    score_ctas_per_sm: int = 4  # scorer programs per SM, split over rows
+    precise: int = 1  # fp16 dot of e4m3 values (exact products); 0: fp8 tensor-core accumulation
+    fuse_hist: int = 1  # the scorer also builds the first radix histogram (indexer_topk)
     topk_block: int = 1024  # scores per top-k iteration
     topk_warps: int = 4
-    topk_ctas_per_sm: int = 2
+    topk_ctas_per_sm: int = 4
     topk_max_chunks: int = 512
 
     def __post_init__(self) -> None:
