@@ -173,3 +173,33 @@ def test_pinning_does_not_initialize_cuda():
 
     pin_worker({"PYTEST_XDIST_WORKER": "gw0"})
     assert not torch.cuda.is_initialized()
+
+
+def test_user_frame_skips_the_warnings_module():
+    import sys
+    import warnings
+
+    from vllm_sparse_sync.testing.records import user_frame
+
+    seen = []
+
+    def show(*args, **kwargs):
+        seen.append(user_frame(sys._getframe(1)))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = show
+        warnings.warn("x", stacklevel=1)  # the user line
+    assert seen[0].code == 'warnings.warn("x", stacklevel=1)  # the user line'
+
+
+def test_runtime_api_attributes_through_python_tracer_events(tmp_path):
+    src = tmp_path / "ext_user.py"
+    src.write_text("def step():\n    lib.cudaStreamSynchronize(s)\n")
+    region = _Evt("vllm_sparse_sync::checked_region", 0, 100)
+    py = _Evt(f"{src}(1): step", 5, 50, parent=region)
+    py.is_python_function = True
+    sync = _Evt("cudaStreamSynchronize", 10, 12, parent=py)
+    (r,) = records_from_events([region, py, sync])
+    assert r.location.endswith("ext_user.py:1") and r.function == "step"
+    assert r.op == "cudaStreamSynchronize"

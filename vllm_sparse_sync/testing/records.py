@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import linecache
 import os
 import sys
 import threading
+import warnings
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -35,6 +37,8 @@ KINDS = (
 
 _TESTING_DIR = os.path.dirname(os.path.abspath(__file__))
 _SKIP_DIRS: tuple[str, ...] = (_TESTING_DIR,)
+# stdlib modules that sit between user code and a callback (warnings hooks, with-blocks)
+_SKIP_FILES = frozenset(os.path.abspath(m.__file__) for m in (contextlib, threading, warnings))
 
 
 def _torch_dir() -> str | None:
@@ -51,8 +55,7 @@ def _skipped(filename: str) -> bool:
     tdir = _torch_dir()
     if tdir and path.startswith(tdir + os.sep):
         return True
-    base = os.path.basename(path)
-    return filename.startswith("<frozen") or base in ("contextlib.py", "threading.py")
+    return filename.startswith("<frozen") or path in _SKIP_FILES
 
 
 def _display(path: str) -> str:

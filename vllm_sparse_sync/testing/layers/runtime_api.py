@@ -76,11 +76,14 @@ def _attribution(evt) -> tuple[Frame | None, str]:
     node = getattr(evt, "cpu_parent", None)
     op = ""
     while node is not None:
-        if not op and not node.name.startswith(("cuda", "cu")) and node.name != REGION:
+        if (not op and not node.name.startswith(("cuda", "cu")) and node.name != REGION
+                and not getattr(node, "is_python_function", False)):
             op = node.name
         frame = _frame_from_stack(getattr(node, "stack", None))
+        if frame is None and getattr(node, "is_python_function", False):
+            frame = _frame_from_stack([node.name])  # a Python-tracer event: "file(line): func"
         if frame is not None:
-            return frame, op or node.name
+            return frame, op
         node = node.cpu_parent
     return None, op
 
