@@ -134,6 +134,14 @@ def bench_ours(inp: Inputs, ncalls: int, config, res: dict) -> None:
                                        workspace=ws, out=out)
 
     res["scorer_us"] = timeit(scorer, ncalls)
+    # the same step with the fp8 tensor-core dot (DeepGEMM's numerics) instead of the exact fp16 one
+    cfg8 = replace(config, precise=0)
+    ws8 = IndexerTopkWorkspace(B, TOPK, L, DEV, config=cfg8)
+    res["scorer_fp8_us"] = timeit(lambda i: lambda: launch_score(
+        *inp.args(i), None, ws8.logits, page_size=PAGE, sel_width=L, fill_width=0,
+        splits=ws8.score_splits(B), config=cfg8), ncalls)
+    res["step_fp8_us"] = timeit(lambda i: lambda: tk.indexer_topk(
+        *inp.args(i), TOPK, width=L, workspace=ws8, out=out), ncalls)
     res["step_us"] = timeit(lambda i: step(i, L), ncalls)
     res["step_wide_host_us"] = timeit(lambda i: step(i, WIDE), ncalls)
     res["step_wide_active_us"] = timeit(lambda i: step(i, WIDE, active), ncalls)
@@ -239,20 +247,23 @@ def derive(res: dict, bw: float) -> dict:
     if "scorer_us" in res:
         res["scorer_tbs"] = kbytes / (res["scorer_us"] * 1e-6) / 1e12
         res["scorer_pct_copy"] = 100 * res["scorer_tbs"] / bw
+        res["scorer_fp8_tbs"] = kbytes / (res["scorer_fp8_us"] * 1e-6) / 1e12
         res["wide_over_exact"] = max(res["step_wide_host_us"], res["step_wide_active_us"]) / res["step_us"]
     topks = [res[k] for k in ("vllm_persistent_topk_us", "vllm_cooperative_topk_us") if k in res]
     if "deepgemm_us" in res and topks:
         res["best_peer_step_us"] = res["deepgemm_us"] + min(topks)
         if "step_us" in res:
             res["ours_over_best_peer"] = res["step_us"] / res["best_peer_step_us"]
+            res["ours_fp8_over_best_peer"] = res["step_fp8_us"] / res["best_peer_step_us"]
     return res
 
 
 COLS = [("B", "{}"), ("L", "{}"), ("scorer_us", "{:.1f}"), ("topk_us", "{:.1f}"), ("step_us", "{:.1f}"),
         ("scorer_tbs", "{:.2f}"), ("scorer_pct_copy", "{:.0f}"), ("wide_over_exact", "{:.3f}"),
+        ("scorer_fp8_us", "{:.1f}"), ("step_fp8_us", "{:.1f}"),
         ("torch_topk_us", "{:.1f}"), ("deepgemm_us", "{:.1f}"), ("vllm_persistent_topk_us", "{:.1f}"),
         ("vllm_cooperative_topk_us", "{:.1f}"), ("best_peer_step_us", "{:.1f}"),
-        ("ours_over_best_peer", "{:.2f}")]
+        ("ours_over_best_peer", "{:.2f}"), ("ours_fp8_over_best_peer", "{:.2f}")]
 
 
 def table(rows: list[dict]) -> str:

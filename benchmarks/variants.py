@@ -3,7 +3,7 @@
     python benchmarks/variants.py [--shapes 64x65536,1x131072] [--best best.json]
 
 Each variant also checks its step output (rows 0..1) against its own dense logits. ``--best``
-writes the fastest precise scorer, top-k and fusion choice (summed over shapes) as a config
+writes the fastest precise scorer and top-k (summed over shapes) as a config
 that ``indexer.py --config-file`` reads.
 """
 
@@ -23,9 +23,9 @@ from indexer import DEV, L2_BYTES, PAGE, TOPK, Inputs, timeit  # noqa: E402
 
 from vllm_sparse_sync.kernels.workspace import DEFAULT_CONFIG, IndexerTopkWorkspace  # noqa: E402
 
-SCORER = [dict(), dict(precise=0), dict(score_tile=128), dict(score_tile=128, score_warps=8),
-          dict(score_ctas_per_sm=2), dict(score_stages=3), dict(score_ctas_per_sm=8, score_stages=3),
-          dict(fuse_hist=0)]
+SCORER = [dict(), dict(precise=0), dict(score_prefetch=0), dict(score_prefetch=0, precise=0),
+          dict(score_tile=128), dict(score_tile=128, score_warps=8), dict(score_ctas_per_sm=2),
+          dict(score_ctas_per_sm=8), dict(score_tile=128, precise=0)]
 TOPKS = [dict(), dict(topk_ctas_per_sm=8), dict(topk_ctas_per_sm=16),
          dict(topk_block=2048, topk_warps=8), dict(topk_block=4096, topk_warps=8, topk_ctas_per_sm=8),
          dict(topk_block=512, topk_ctas_per_sm=16)]
@@ -65,18 +65,16 @@ def run_variant(inp, kind: str, v: dict, ncalls: int) -> dict:
 
 
 def pick_best(results: list[dict]) -> dict:
-    """Fastest precise scorer, fastest top-k, whether fusing the first histogram pays (shape sums)."""
+    """Fastest precise scorer and fastest top-k (times summed over shapes)."""
     def total(kind, key, v):
         rs = [r for r in results if r["kind"] == kind and r["variant"] == v]
         if any(key not in r or r.get("check") != "ok" for r in rs):
             return float("inf")
         return sum(r[key] for r in rs)
 
-    scorer = min((v for v in SCORER if v.get("precise", 1) and "fuse_hist" not in v),
-                 key=lambda v: total("scorer", "us", v))
+    scorer = min((v for v in SCORER if v.get("precise", 1)), key=lambda v: total("scorer", "us", v))
     topk = min(TOPKS, key=lambda v: total("topk", "topk_us", v))
-    fuse = int(total("scorer", "step_us", {}) <= total("scorer", "step_us", {"fuse_hist": 0}))
-    return asdict(replace(DEFAULT_CONFIG, **scorer, **topk, fuse_hist=fuse))
+    return asdict(replace(DEFAULT_CONFIG, **scorer, **topk))
 
 
 def main() -> None:

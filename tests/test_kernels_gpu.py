@@ -223,10 +223,10 @@ def test_capture_write_index_k_cache():
 
 
 @pytest.mark.parametrize(
-    "variant", [dict(precise=0), dict(fuse_hist=0), dict(score_tile=128, topk_block=512)]
+    "variant", [dict(precise=0), dict(score_prefetch=0), dict(score_tile=128, topk_block=512)]
 )
 def test_config_variants(variant):
-    """Other fixed configurations: fp8 tensor-core dot (looser scores), unfused first pass, tiles."""
+    """Other fixed configurations: fp8 tensor-core dot (looser scores), Triton pipeliner, tiles."""
     from dataclasses import replace
 
     from vllm_sparse_sync.kernels.workspace import DEFAULT_CONFIG, IndexerTopkWorkspace

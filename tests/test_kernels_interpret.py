@@ -95,7 +95,7 @@ def test_topk_follows_active_width_and_is_deterministic():
     second = tk.topk_indices(logits, case.row_lens, k, active_width=active, workspace=ws)
     assert torch.equal(first, second)
     assert topk_violations(first, logits, _eff(case, 320, active), k) == []
-    assert int(ws.hist.abs().sum()) == 0 and int(ws.done.abs().sum()) == 0
+    assert int(ws.hist.abs().sum()) == 0 and int(ws.ticks.abs().sum()) == 0
 
 
 @pytest.mark.parametrize("bound", ["exact", "host_width", "active_width"])

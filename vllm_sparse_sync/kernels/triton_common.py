@@ -55,25 +55,6 @@ def pick_digit(h, need):
 
 
 @triton.jit
-def derive_prefix(hist_row_ptr, pass_stride, K: tl.constexpr, PASSES: tl.constexpr):
-    """Key prefix fixed by the first ``PASSES`` radix passes of a row, and how many ties it still needs.
-
-    After 4 passes the prefix is the full key of the k-th largest element (signed int32).
-    """
-    idx = tl.arange(0, 256)
-    need = tl.full((), K, tl.int32)
-    prefix = tl.full((), 0, tl.int32)
-    for p in tl.static_range(PASSES):
-        h = tl.load(hist_row_ptr + p * pass_stride + idx)
-        d, need = pick_digit(h, need)
-        if p == 0:
-            prefix = d - 128
-        else:
-            prefix = prefix * 256 + d
-    return prefix, need
-
-
-@triton.jit
 def lanes_where(flag, lanes):
     """Scalar ``flag`` broadcast to the shape of ``lanes`` (int1): masks that mix both (interpreter-safe)."""
     return (lanes * 0 + flag.to(tl.int32)) != 0

@@ -158,8 +158,8 @@ def indexer_topk(
     """The whole decode indexer step, score then select (``int32 [rows, k]``).
 
     Scores go to the workspace's internal buffer for live columns only (nothing is filled past a
-    row's length), and the scorer also builds the first radix histogram, so the step is the scorer
-    plus four top-k launches whatever the width.
+    row's length), so the step is the scorer plus five top-k launches, each bounded by the live
+    lengths, whatever the width.
     """
     page = _check_scorer(q_fp8, weights, k_cache, block_table, row_lens, active_width)
     rows = q_fp8.shape[0]
@@ -177,12 +177,9 @@ def indexer_topk(
         return out
     ws = _workspace(workspace, rows, k, width, q_fp8.device)
     logits = ws.logits
-    fuse = bool(ws.config.fuse_hist)
     launch_score(
         q_fp8, weights, k_cache, block_table, row_lens, active_width, logits, page_size=page,
         sel_width=width, fill_width=0, splits=ws.score_splits(rows), config=ws.config,
-        hist=ws.hist if fuse else None, k=k,
     )
-    launch_radix_topk(logits, logits.stride(0), row_lens, active_width, ws, out, k, width,
-                      first_pass=not fuse)
+    launch_radix_topk(logits, logits.stride(0), row_lens, active_width, ws, out, k, width)
     return out

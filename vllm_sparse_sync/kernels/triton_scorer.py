@@ -9,7 +9,8 @@ eager call with a new stride compiles once: warm each captured shape first. ``PR
 (default) converts e4m3 to fp16 for the dot (exact products, fp32 accumulation, matching the
 reference to fp32 rounding); without it the dot runs on fp8 tensor cores, whose accumulation
 keeps ~14 mantissa bits (as DeepGEMM). Optionally it also fills ``-inf`` past the live length
-(dense API) and accumulates the first radix histogram of the top-k (fused route).
+(dense API). ``PREFETCH`` (default) keeps the next tile's K in registers and the page ids two
+tiles ahead, so no iteration waits on a dependent load; otherwise Triton's pipeliner runs.
 """
 
 from __future__ import annotations
@@ -18,19 +19,49 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import lanes_where, live_length, radix_digit, sortable_key
+from .triton_common import live_length
 
 
-@triton.jit(
-    do_not_specialize=[
-        "num_pages", "sel_width", "live_width", "fill_width",
-    ]
-)
+@triton.jit
+def _tile_pages(bt_row, tile, n_live, num_pages, PAGE: tl.constexpr, TILE: tl.constexpr):
+    """Physical page (int64, 0 where invalid) and validity of each token of ``tile``."""
+    pos = tile * TILE + tl.arange(0, TILE)
+    live = pos < n_live
+    page = tl.load(bt_row + pos // PAGE, mask=live, other=-1)
+    ok = live & (page >= 0) & (page < num_pages)
+    return tl.where(ok, page, 0).to(tl.int64), ok
+
+
+@triton.jit
+def _tile_keys(kc_ptr, ks_ptr, page, ok, tile, page_stride,
+               D: tl.constexpr, PAGE: tl.constexpr, TILE: tl.constexpr):
+    """fp8 K bytes ``[TILE, D]`` and fp32 scales ``[TILE]`` of ``tile``'s tokens (0 where invalid)."""
+    slot = (tile * TILE + tl.arange(0, TILE)) % PAGE
+    base = page * page_stride
+    dims = tl.arange(0, D)
+    kb = tl.load(kc_ptr + base[:, None] + slot[:, None] * D + dims[None, :], mask=ok[:, None], other=0)
+    scale = tl.load(ks_ptr + base // 4 + (PAGE * D) // 4 + slot, mask=ok, other=0.0)
+    return kb, scale
+
+
+@triton.jit
+def _tile_scores(kb, scale, ok, q_t, w, PRECISE: tl.constexpr):
+    """``scale * sum_h w_h relu(k . q_h)`` per token, ``-inf`` where invalid."""
+    k8 = kb.to(tl.float8e4nv, bitcast=True)
+    if PRECISE:
+        dots = tl.dot(k8.to(tl.float16), q_t)
+    else:
+        dots = tl.dot(k8, q_t)
+    v = tl.sum(tl.maximum(dots, 0.0) * w[None, :], axis=1) * scale
+    return tl.where(ok, v, float("-inf"))
+
+
+@triton.jit(do_not_specialize=["num_pages", "sel_width", "live_width", "fill_width"])
 def score_kernel(
     q_ptr, w_ptr, kc_ptr, ks_ptr, bt_ptr, bt_stride, lens_ptr, active_ptr, out_ptr, out_stride,
-    hist_ptr, num_pages, page_stride, sel_width, live_width, fill_width,
-    H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, TILE: tl.constexpr, K: tl.constexpr,
-    HAS_ACTIVE: tl.constexpr, FILL_TAIL: tl.constexpr, WITH_HIST: tl.constexpr,
+    num_pages, page_stride, sel_width, live_width, fill_width,
+    H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, TILE: tl.constexpr,
+    HAS_ACTIVE: tl.constexpr, FILL_TAIL: tl.constexpr, PREFETCH: tl.constexpr,
     NUM_STAGES: tl.constexpr, PRECISE: tl.constexpr,
 ):
     """Scores of row ``program_id(0)``'s live positions ``t < n``; ``-inf`` for holes and past the table."""
@@ -51,33 +82,27 @@ def score_kernel(
     w = tl.load(w_ptr + row * H + heads)
     out_row = out_ptr + row.to(tl.int64) * out_stride
     bt_row = bt_ptr + row.to(tl.int64) * bt_stride
-    bins = tl.arange(0, 256)
-    hist = tl.zeros([256], dtype=tl.int32)
     n_tiles = tl.cdiv(n, TILE)
-    for tile in tl.range(split, n_tiles, splits, num_stages=NUM_STAGES):
-        pos = tile * TILE + lane
-        inrow = pos < n
-        live = pos < n_live
-        page = tl.load(bt_row + pos // PAGE, mask=live, other=-1)
-        ok = live & (page >= 0) & (page < num_pages)
-        base = tl.where(ok, page, 0).to(tl.int64) * page_stride
-        slot = pos % PAGE
-        kb = tl.load(kc_ptr + base[:, None] + slot[:, None] * D + dims[None, :], mask=ok[:, None], other=0)
-        scale = tl.load(ks_ptr + base // 4 + (PAGE * D) // 4 + slot, mask=ok, other=0.0)
-        k8 = kb.to(tl.float8e4nv, bitcast=True)
-        if PRECISE:
-            dots = tl.dot(k8.to(tl.float16), q_t)
-        else:
-            dots = tl.dot(k8, q_t)
-        v = tl.sum(tl.maximum(dots, 0.0) * w[None, :], axis=1) * scale
-        v = tl.where(ok, v, float("-inf"))
-        tl.store(out_row + pos, v, mask=inrow)
-        if WITH_HIST:
-            d = tl.where(inrow, radix_digit(sortable_key(v), 0), 0)
-            miss = TILE - tl.sum(inrow.to(tl.int32), 0)
-            hist += tl.histogram(d, 256) - tl.where(bins == 0, miss, 0)
-    if WITH_HIST:
-        tl.atomic_add(hist_ptr + row * 256 + bins, hist, mask=(hist != 0) & lanes_where(n > K, bins))
+    if PREFETCH:
+        # registers hold the next tile's K and the page ids two tiles ahead: no dependent stall
+        page, ok = _tile_pages(bt_row, split, n_live, num_pages, PAGE, TILE)
+        kb, scale = _tile_keys(kc_ptr, ks_ptr, page, ok, split, page_stride, D, PAGE, TILE)
+        page1, ok1 = _tile_pages(bt_row, split + splits, n_live, num_pages, PAGE, TILE)
+        for tile in range(split, n_tiles, splits):
+            kb1, scale1 = _tile_keys(kc_ptr, ks_ptr, page1, ok1, tile + splits, page_stride, D, PAGE, TILE)
+            page2, ok2 = _tile_pages(bt_row, tile + 2 * splits, n_live, num_pages, PAGE, TILE)
+            v = _tile_scores(kb, scale, ok, q_t, w, PRECISE)
+            pos = tile * TILE + lane
+            tl.store(out_row + pos, v, mask=pos < n)
+            kb, scale, ok = kb1, scale1, ok1
+            page1, ok1 = page2, ok2
+    else:
+        for tile in tl.range(split, n_tiles, splits, num_stages=NUM_STAGES):
+            page, ok = _tile_pages(bt_row, tile, n_live, num_pages, PAGE, TILE)
+            kb, scale = _tile_keys(kc_ptr, ks_ptr, page, ok, tile, page_stride, D, PAGE, TILE)
+            v = _tile_scores(kb, scale, ok, q_t, w, PRECISE)
+            pos = tile * TILE + lane
+            tl.store(out_row + pos, v, mask=pos < n)
     if FILL_TAIL:
         for tile in range(n // TILE + split, tl.cdiv(fill_width, TILE), splits):
             pos = tile * TILE + lane
@@ -87,7 +112,7 @@ def score_kernel(
 
 def launch_score(
     q_fp8, weights, k_cache, block_table, row_lens, active, out, *, page_size, sel_width,
-    fill_width, splits, config, hist=None, k=0,
+    fill_width, splits, config,
 ):
     """Launch the scorer; ``out`` is ``fp32 [rows, >= sel_width]`` (written up to each row's length)."""
     rows, heads, head_dim = q_fp8.shape
@@ -97,10 +122,10 @@ def launch_score(
     score_kernel[(rows, splits)](
         q_fp8.view(torch.uint8), weights, kc, ks, block_table, block_table.stride(0), row_lens,
         active if has_active else row_lens, out, out.stride(0),
-        hist if hist is not None else out, k_cache.shape[0], k_cache.stride(0), sel_width,
+        k_cache.shape[0], k_cache.stride(0), sel_width,
         block_table.shape[1] * page_size, fill_width,
-        H=heads, D=head_dim, PAGE=page_size, TILE=config.score_tile, K=max(int(k), 1),
-        HAS_ACTIVE=has_active, FILL_TAIL=fill_width > 0, WITH_HIST=hist is not None,
+        H=heads, D=head_dim, PAGE=page_size, TILE=config.score_tile,
+        HAS_ACTIVE=has_active, FILL_TAIL=fill_width > 0, PREFETCH=bool(config.score_prefetch),
         NUM_STAGES=config.score_stages, PRECISE=bool(config.precise), num_warps=config.score_warps,
     )
 

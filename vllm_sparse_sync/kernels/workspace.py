@@ -31,7 +31,7 @@ class KernelConfig:
     score_stages: int = 4
     score_ctas_per_sm: int = 4  # scorer programs per SM, split over rows
     precise: int = 1  # fp16 dot of e4m3 values (exact products); 0: fp8 tensor-core accumulation
-    fuse_hist: int = 1  # the scorer also builds the first radix histogram (indexer_topk)
+    score_prefetch: int = 1  # next tile's K in registers; 0: Triton's software pipeliner
     topk_block: int = 1024  # scores per top-k iteration
     topk_warps: int = 4
     topk_ctas_per_sm: int = 4
@@ -76,7 +76,8 @@ class IndexerTopkWorkspace:
         max_pairs = max(self.num_sms * config.topk_ctas_per_sm, self.rows)
         i32 = dict(dtype=torch.int32, device=self.device)
         self.hist = torch.zeros(4 * self.rows * 256, **i32)
-        self.done = torch.zeros(self.rows, **i32)
+        self.ticks = torch.zeros(5 * self.rows, **i32)  # per pass and row, self-resetting
+        self.state = torch.zeros(2 * self.rows, **i32)  # per row: key prefix, ties still needed
         self.chunk_sfx = torch.zeros(max_pairs * 256, **i32)
         self.chunk_gt = torch.zeros(max_pairs, **i32)
         self.logits = torch.empty(
