@@ -17,6 +17,7 @@ PROPERTY = "vllm_sparse_sync.host_syncs"
 WARNING_FILTERS = (
     r"ignore:.*[Ss]ynchronization debug mode is a prototype feature:UserWarning",
     r"ignore::UserWarning:torch\.(autograd\.)?profiler.*",
+    r"ignore:.*The CUDA Graph is empty:UserWarning",
 )
 _KEY_CHECKS = pytest.StashKey[list]()
 

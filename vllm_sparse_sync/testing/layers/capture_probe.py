@@ -8,6 +8,7 @@ state replaced, so the process stays usable.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -16,6 +17,7 @@ from ..records import CAPTURE_FAILURE, SyncRecord, user_frame_of_traceback
 from .debug_mode import DebugModeLayer, is_sync_error, record_error
 
 LAYER = "capture"
+EMPTY_GRAPH_MESSAGE = r".*The CUDA Graph is empty"
 
 
 def reset_cuda_rng(device=None) -> None:
@@ -34,7 +36,9 @@ def end_failed_capture(graph, device: int) -> list[BaseException]:
 
     errors: list[BaseException] = []
     try:
-        graph.capture_end()
+        with warnings.catch_warnings():  # a step rejected before any work captures nothing
+            warnings.filterwarnings("ignore", message=EMPTY_GRAPH_MESSAGE)
+            graph.capture_end()
         return errors
     except BaseException as exc:  # invalidated capture: the stream has left capture mode
         errors.append(exc)
