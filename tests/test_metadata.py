@@ -17,7 +17,7 @@ from vllm_sparse_sync import (
 from vllm_sparse_sync.bounds import capture_stable_bound
 
 MAX_MODEL_LEN = 8192
-MAX_REQS, MAX_TOKENS, MAX_PAGES = 8, 24, 130
+MAX_REQS, MAX_TOKENS, MAX_PAGES = 8, 32, 130
 
 
 def _batch(query_lens, seq_lens, *, device="cpu", pages=None, gen=None, max_seq_len=None,
@@ -132,7 +132,7 @@ def test_bad_input_errors_name_the_field(change, field):
 def test_capacity_errors_name_the_field():
     layout = IndexerLayout(backend="b12x", max_model_len=MAX_MODEL_LEN)
     with pytest.raises(ValueError, match="max_num_tokens"):
-        _builder(layout).build(_batch([4] * 7, [10] * 7))
+        _builder(layout).build(_batch([5] * 7, [10] * 7))
     with pytest.raises(ValueError, match="max_num_reqs"):
         _builder(layout).build(_batch([1] * 9, [10] * 9))
     with pytest.raises(ValueError, match="max_pages_per_req"):
