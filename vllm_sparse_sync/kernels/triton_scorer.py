@@ -9,8 +9,9 @@ eager call with a new stride compiles once: warm each captured shape first. ``PR
 (default) converts e4m3 to fp16 for the dot (exact products, fp32 accumulation, matching the
 reference to fp32 rounding); without it the dot runs on fp8 tensor cores, whose accumulation
 keeps ~14 mantissa bits (as DeepGEMM). Optionally it also fills ``-inf`` past the live length
-(dense API). ``PREFETCH`` (default) keeps the next tile's K in registers and the page ids two
-tiles ahead, so no iteration waits on a dependent load; otherwise Triton's pipeliner runs.
+(dense API). By default Triton's software pipeliner overlaps the K loads (``NUM_STAGES``);
+``PREFETCH`` instead keeps the next tile's K in registers and the page ids two tiles ahead
+(measured no faster on the H200: see benchmarks/NOTES.md).
 """
 
 from __future__ import annotations

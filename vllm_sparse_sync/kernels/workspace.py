@@ -31,7 +31,7 @@ class KernelConfig:
     score_stages: int = 4
     score_ctas_per_sm: int = 4  # scorer programs per SM, split over rows
     precise: int = 1  # fp16 dot of e4m3 values (exact products); 0: fp8 tensor-core accumulation
-    score_prefetch: int = 1  # next tile's K in registers; 0: Triton's software pipeliner
+    score_prefetch: int = 0  # 1: next tile's K in registers instead of Triton's pipeliner
     topk_block: int = 1024  # scores per top-k iteration
     topk_warps: int = 4
     topk_ctas_per_sm: int = 4
