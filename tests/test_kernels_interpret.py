@@ -133,3 +133,15 @@ def test_indexer_topk_without_workspace_allocates():
     got = tk.indexer_topk(*case.args, 16)
     logits = ref.paged_indexer_logits(*case.args, 128)
     assert topk_violations(got, logits, _eff(case, 128), 16, tol=1e-3) == []
+
+
+def test_indexer_topk_row_longer_than_page_table():
+    # positions past the page table score -inf but still count toward the row length (reference)
+    k = 8
+    case = make_case([300, 5], heads=16, table_pages=3, seed=8)
+    width = 320
+    got = tk.indexer_topk(*case.args, k, width=width)
+    logits = ref.paged_indexer_logits(*case.args, width)
+    assert topk_violations(got, logits, _eff(case, width), k, tol=1e-3) == []
+    want = ref.indexer_topk(*case.args, k, width=width)
+    assert set(got[1].tolist()) == set(want[1].tolist())

@@ -77,6 +77,7 @@ def make_case(
     table = torch.randint(0, num_pages, (rows, table_pages), generator=g, dtype=torch.int32)
     at = 0
     for r, p in enumerate(need):
+        p = min(p, table_pages)  # a row longer than the table keeps only the table's pages
         table[r, :p] = perm[at : at + p].int()
         if holes:
             table[r, p:] = -1
