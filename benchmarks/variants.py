@@ -23,7 +23,8 @@ from indexer import DEV, L2_BYTES, PAGE, TOPK, Inputs, timeit  # noqa: E402
 
 from vllm_sparse_sync.kernels.workspace import DEFAULT_CONFIG, IndexerTopkWorkspace  # noqa: E402
 
-SCORER = [dict(), dict(precise=0), dict(score_prefetch=0), dict(score_prefetch=0, precise=0),
+SCORER = [dict(), dict(precise=0), dict(score_scalar_page=0), dict(score_scalar_page=0, precise=0),
+          dict(score_prefetch=1), dict(score_stages=2), dict(score_stages=3, precise=0),
           dict(score_tile=128), dict(score_tile=128, score_warps=8), dict(score_ctas_per_sm=2),
           dict(score_ctas_per_sm=8), dict(score_tile=128, precise=0)]
 TOPKS = [dict(), dict(topk_ctas_per_sm=8), dict(topk_ctas_per_sm=16),

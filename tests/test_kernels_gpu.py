@@ -223,7 +223,8 @@ def test_capture_write_index_k_cache():
 
 
 @pytest.mark.parametrize(
-    "variant", [dict(precise=0), dict(score_prefetch=0), dict(score_tile=128, topk_block=512)]
+    "variant", [dict(precise=0), dict(score_prefetch=1), dict(score_scalar_page=0),
+                dict(score_tile=128, topk_block=512)]
 )
 def test_config_variants(variant):
     """Other fixed configurations: fp8 tensor-core dot (looser scores), Triton pipeliner, tiles."""

@@ -62,13 +62,18 @@ def test_write_index_k_cache_matches_reference():
     assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("heads", [16, 32])
-def test_dense_logits_match_reference_with_holes_and_bounds(heads):
+@pytest.mark.parametrize("heads, scalar_page", [(16, 1), (32, 1), (16, 0)])
+def test_dense_logits_match_reference_with_holes_and_bounds(heads, scalar_page):
+    from dataclasses import replace
+
+    from vllm_sparse_sync.kernels.workspace import DEFAULT_CONFIG
+
+    cfg = replace(DEFAULT_CONFIG, score_scalar_page=scalar_page)  # one-page tiles or gathered tiles
     # lengths: 0, page multiple, partial page, longer than the table (clamped)
     case = make_case([0, 128, 77, 190], heads=heads, table_pages=3, seed=2)
     case.block_table[2, 1] = -1  # a hole inside the live range scores -inf
     for width, active in [(192, None), (300, None), (192, torch.tensor([100], dtype=torch.int32))]:
-        got = tk.paged_indexer_logits(*case.args, width, active_width=active)
+        got = tk.paged_indexer_logits(*case.args, width, active_width=active, config=cfg)
         want = ref.paged_indexer_logits(*case.args, width, active_width=active)
         assert got.shape == want.shape
         assert torch.equal(torch.isinf(got), torch.isinf(want))

@@ -46,6 +46,26 @@ def _tile_keys(kc_ptr, ks_ptr, page, ok, tile, page_stride,
 
 
 @triton.jit
+def _page_keys(kc_ptr, ks_ptr, bt_row, tile, n_live, num_pages, page_stride, k_offs,
+               D: tl.constexpr, PAGE: tl.constexpr):
+    """A tile that is exactly one page: fp8 K ``[PAGE, D]``, scales ``[PAGE]``, validity ``[PAGE]``.
+
+    One scalar page id per tile, so the K load is a scalar base plus constant offsets (16-byte
+    vector loads, no per-element address math or masks); an invalid page reads page 0 and
+    scores ``-inf``.
+    """
+    first = tile * PAGE
+    page = tl.load(bt_row + tile, mask=first < n_live, other=-1)
+    page_ok = (first < n_live) & (page >= 0) & (page < num_pages)
+    base = tl.where(page_ok, page, 0).to(tl.int64) * page_stride
+    kb = tl.load(kc_ptr + base + k_offs)
+    lane = tl.arange(0, PAGE)
+    scale = tl.load(ks_ptr + base // 4 + (PAGE * D) // 4 + lane)
+    ok = page_ok & (first + lane < n_live)
+    return kb, scale, ok
+
+
+@triton.jit
 def _tile_scores(kb, scale, ok, q_t, w, PRECISE: tl.constexpr):
     """``scale * sum_h w_h relu(k . q_h)`` per token, ``-inf`` where invalid."""
     k8 = kb.to(tl.float8e4nv, bitcast=True)
@@ -63,7 +83,7 @@ def score_kernel(
     num_pages, page_stride, sel_width, live_width, fill_width,
     H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, TILE: tl.constexpr,
     HAS_ACTIVE: tl.constexpr, FILL_TAIL: tl.constexpr, PREFETCH: tl.constexpr,
-    NUM_STAGES: tl.constexpr, PRECISE: tl.constexpr,
+    NUM_STAGES: tl.constexpr, PRECISE: tl.constexpr, SCALAR_PAGE: tl.constexpr,
 ):
     """Scores of row ``program_id(0)``'s live positions ``t < n``; ``-inf`` for holes and past the table."""
     row = tl.program_id(0)
@@ -97,6 +117,14 @@ def score_kernel(
             tl.store(out_row + pos, v, mask=pos < n)
             kb, scale, ok = kb1, scale1, ok1
             page1, ok1 = page2, ok2
+    elif SCALAR_PAGE:
+        k_offs = lane[:, None] * D + dims[None, :]
+        for tile in tl.range(split, n_tiles, splits, num_stages=NUM_STAGES):
+            kb, scale, ok = _page_keys(kc_ptr, ks_ptr, bt_row, tile, n_live, num_pages, page_stride,
+                                       k_offs, D, PAGE)
+            v = _tile_scores(kb, scale, ok, q_t, w, PRECISE)
+            pos = tile * TILE + lane
+            tl.store(out_row + pos, v, mask=pos < n)
     else:
         for tile in tl.range(split, n_tiles, splits, num_stages=NUM_STAGES):
             page, ok = _tile_pages(bt_row, tile, n_live, num_pages, PAGE, TILE)
@@ -127,6 +155,9 @@ def launch_score(
         block_table.shape[1] * page_size, fill_width,
         H=heads, D=head_dim, PAGE=page_size, TILE=config.score_tile,
         HAS_ACTIVE=has_active, FILL_TAIL=fill_width > 0, PREFETCH=bool(config.score_prefetch),
-        NUM_STAGES=config.score_stages, PRECISE=bool(config.precise), num_warps=config.score_warps,
+        NUM_STAGES=config.score_stages, PRECISE=bool(config.precise),
+        SCALAR_PAGE=bool(config.score_scalar_page) and config.score_tile == page_size
+        and k_cache.shape[0] > 0,
+        num_warps=config.score_warps,
     )
 
