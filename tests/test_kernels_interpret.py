@@ -26,6 +26,7 @@ _KERNEL_MODULES = [
     "vllm_sparse_sync.kernels.triton_cache",
     "vllm_sparse_sync.kernels.triton_scorer",
     "vllm_sparse_sync.kernels.triton_topk",
+    "vllm_sparse_sync.kernels.triton_topk_sample",
     "vllm_sparse_sync.kernels.triton_ops",
 ]
 if not _CUDA:
@@ -37,12 +38,22 @@ from vllm_sparse_sync.kernels import reference as ref  # noqa: E402
 from vllm_sparse_sync.kernels import triton_ops as tk  # noqa: E402
 from vllm_sparse_sync.kernels.synth import make_case  # noqa: E402
 from vllm_sparse_sync.kernels.verify import topk_violations  # noqa: E402
-from vllm_sparse_sync.kernels.workspace import IndexerTopkWorkspace  # noqa: E402
+from vllm_sparse_sync.kernels.workspace import (  # noqa: E402
+    DEFAULT_CONFIG,
+    IndexerTopkWorkspace,
+    KernelConfig,
+)
 
 pytestmark = [
     pytest.mark.interpret,
     pytest.mark.skipif(_CUDA, reason="CUDA present: the GPU tests run the compiled kernels"),
 ]
+
+
+# "sample" shrunk so small rows take every path: candidates (n > 128), whole row, fallback
+SMALL_SAMPLE = KernelConfig(topk_algo="sample", topk_cap=128, topk_samples=64, topk_block=64,
+                            topk_resolve_block=64)
+ALGOS = {"radix": DEFAULT_CONFIG, "sample": SMALL_SAMPLE}
 
 
 def _eff(case, width, active=None):
@@ -80,22 +91,25 @@ def test_dense_logits_match_reference_with_holes_and_bounds(heads, scalar_page):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("algo", list(ALGOS))
 @pytest.mark.parametrize("ties", [False, True])
-def test_topk_is_exact_on_dense_logits(ties):
+def test_topk_is_exact_on_dense_logits(ties, algo):
     k = 24
     case = make_case([0, 5, 24, 25, 200, 333], heads=16, ties=ties, seed=3)
     width = 384
     logits = ref.paged_indexer_logits(*case.args, width)
-    got = tk.topk_indices(logits, case.row_lens, k)
+    ws = IndexerTopkWorkspace(6, k, 0, "cpu", config=ALGOS[algo], num_sms=4)
+    got = tk.topk_indices(logits, case.row_lens, k, workspace=ws)
     assert topk_violations(got, logits, _eff(case, width), k) == []
 
 
-def test_topk_follows_active_width_and_is_deterministic():
+@pytest.mark.parametrize("algo", list(ALGOS))
+def test_topk_follows_active_width_and_is_deterministic(algo):
     k = 16
     case = make_case([90, 300, 12], heads=16, ties=True, seed=4)
     logits = ref.paged_indexer_logits(*case.args, 320)
-    ws = IndexerTopkWorkspace(3, k, 0, "cpu", num_sms=3)
-    active = torch.tensor([64], dtype=torch.int32)
+    ws = IndexerTopkWorkspace(3, k, 0, "cpu", num_sms=3, config=ALGOS[algo])
+    active = torch.tensor([64 if algo == "radix" else 200], dtype=torch.int32)
     first = tk.topk_indices(logits, case.row_lens, k, active_width=active, workspace=ws)
     second = tk.topk_indices(logits, case.row_lens, k, active_width=active, workspace=ws)
     assert torch.equal(first, second)
@@ -103,8 +117,10 @@ def test_topk_follows_active_width_and_is_deterministic():
     assert int(ws.hist.abs().sum()) == 0 and int(ws.ticks.abs().sum()) == 0
 
 
-@pytest.mark.parametrize("bound", ["exact", "host_width", "active_width"])
-def test_indexer_topk_both_host_contracts(bound):
+@pytest.mark.parametrize("bound, algo", [("exact", "radix"), ("host_width", "radix"),
+                                         ("active_width", "radix"), ("host_width", "sample"),
+                                         ("active_width", "sample")])
+def test_indexer_topk_both_host_contracts(bound, algo):
     k = 32
     lens = [0, 31, 32, 64, 150, 257]
     case = make_case(lens, heads=32, table_pages=6, seed=5)
@@ -114,7 +130,7 @@ def test_indexer_topk_both_host_contracts(bound):
         "host_width": (6 * 64, None),
         "active_width": (6 * 64, torch.tensor([exact], dtype=torch.int32)),
     }[bound]
-    ws = IndexerTopkWorkspace(len(lens), k, width, "cpu", num_sms=5)
+    ws = IndexerTopkWorkspace(len(lens), k, width, "cpu", num_sms=5, config=ALGOS[algo])
     got = tk.indexer_topk(*case.args, k, active_width=active, width=width, workspace=ws)
     logits = ref.paged_indexer_logits(*case.args, width, active_width=active)
     assert topk_violations(got, logits, _eff(case, width, active), k, tol=1e-3) == []
@@ -150,3 +166,75 @@ def test_indexer_topk_row_longer_than_page_table():
     assert topk_violations(got, logits, _eff(case, width), k, tol=1e-3) == []
     want = ref.indexer_topk(*case.args, k, width=width)
     assert set(got[1].tolist()) == set(want[1].tolist())
+
+
+def _sample_topk(logits, lens, k, active=None, cfg=SMALL_SAMPLE):
+    """``sample`` top-k, checked exact against the reference (same set per row); rows' paths."""
+    rows, width = logits.shape
+    ws = IndexerTopkWorkspace(rows, k, 0, "cpu", num_sms=4, config=cfg)
+    got = tk.topk_indices(logits, lens, k, active_width=active, workspace=ws)
+    eff = ref.effective_lengths(lens, width, active)
+    assert topk_violations(got, logits, eff, k) == []
+    want = ref.topk_indices(logits, lens, k, active_width=active)
+    for r in range(rows):
+        assert set(got[r].tolist()) == set(want[r].tolist()), f"row {r}"
+    assert torch.equal(got, tk.topk_indices(logits, lens, k, active_width=active, workspace=ws))
+    chunks = ws.topk_chunks(rows)
+    c = ws.chunk_cnt[: rows * chunks].view(rows, chunks).sum(1).tolist()
+    cap = cfg.topk_cap
+    paths = ["short" if n <= k else "row" if n <= cap else "cand" if k <= cc <= cap else "fallback"
+             for n, cc in zip(eff.tolist(), c)]
+    return got, paths
+
+
+def test_sample_topk_random_rows_take_every_path():
+    k = 16
+    torch.manual_seed(20)
+    lens = torch.tensor([0, 7, 16, 17, 100, 128, 129, 300, 700, 50], dtype=torch.int32)
+    logits = torch.randn(len(lens), 768)
+    logits[2, 3] = float("-inf")  # n <= k: positions regardless of scores
+    _, paths = _sample_topk(logits, lens, k)
+    assert paths[:3] == ["short"] * 3 and "row" in paths and "cand" in paths and "fallback" in paths
+
+
+def test_sample_topk_heavy_ties_fall_back():
+    k = 16
+    lens = torch.tensor([300, 400, 300, 129], dtype=torch.int32)
+    logits = torch.ones(4, 448)  # all equal: every key meets the threshold (> CAP candidates)
+    logits[1] = torch.randint(0, 2, (448,), generator=torch.Generator().manual_seed(1)).float()
+    logits[2, ::2] = 2.0  # two values, the top one on every other position (> CAP of them)
+    got, paths = _sample_topk(logits, lens, k)
+    assert paths == ["fallback"] * 4
+    assert got[0].tolist() == list(range(k))  # ties resolve to the lowest positions
+
+
+def test_sample_topk_threshold_misses_fall_back():
+    # row 0: the samples (every n/S-th position) hold the largest scores, so the threshold keeps
+    # fewer than k; row 1: the k + 50 largest sit between two sample positions (> CAP candidates)
+    k, S = 32, 64
+    n0, n1 = 400, 64 * 100
+    logits = torch.full((2, n1), float("-inf"))
+    g = torch.Generator().manual_seed(2)
+    logits[0, :n0] = torch.rand(n0, generator=g)
+    logits[0, torch.arange(S) * n0 // S] = 5.0 + torch.rand(S, generator=g)
+    logits[1] = torch.rand(n1, generator=g) * 0.01
+    logits[1, 101:101 + k + 50] = 10.0 + torch.rand(k + 50, generator=g)
+    lens = torch.tensor([n0, n1], dtype=torch.int32)
+    cfg = KernelConfig(topk_algo="sample", topk_cap=128, topk_samples=S, topk_block=256,
+                       topk_resolve_block=512)
+    _, paths = _sample_topk(logits, lens, k, cfg=cfg)
+    assert paths == ["fallback", "fallback"]
+
+
+def test_sample_topk_neg_inf_holes_active_clamp_and_wide_host_width():
+    k = 16
+    g = torch.Generator().manual_seed(3)
+    width = 2048  # far above the live lengths
+    logits = torch.randn(4, width, generator=g)
+    logits[0, 20:300] = float("-inf")  # fewer than k finite of 300 live: -inf ties, lowest first
+    logits[1, torch.randperm(500, generator=g)[:400]] = float("-inf")
+    logits[2, :] = float("-inf")
+    lens = torch.tensor([300, 500, 200, 1000], dtype=torch.int32)
+    _sample_topk(logits, lens, k)
+    _, paths = _sample_topk(logits, lens, k, active=torch.tensor([260], dtype=torch.int32))
+    assert "cand" in paths or "fallback" in paths

@@ -58,3 +58,42 @@ def pick_digit(h, need):
 def lanes_where(flag, lanes):
     """Scalar ``flag`` broadcast to the shape of ``lanes`` (int1): masks that mix both (interpreter-safe)."""
     return (lanes * 0 + flag.to(tl.int32)) != 0
+
+
+@triton.jit
+def chunk_tiles(n, K: tl.constexpr, BLK: tl.constexpr, chunk, chunks):
+    """Tile range ``[t0, t1)`` of this chunk over a row of ``n`` live scores (empty when n <= K)."""
+    n_tiles = tl.where(n > K, tl.cdiv(n, BLK), 0)
+    per = tl.cdiv(n_tiles, chunks)
+    t0 = chunk * per
+    t1 = tl.minimum(t0 + per, n_tiles)
+    return t0, t1
+
+
+@triton.jit
+def load_tile(x_row, t, t1, n, BLK: tl.constexpr):
+    """Scores of tile ``t`` (``-inf`` past ``n``; nothing read when ``t >= t1``) and their positions."""
+    pos = t * BLK + tl.arange(0, BLK)
+    x = tl.load(x_row + pos, mask=(pos < n) & lanes_where(t < t1, pos), other=float("-inf"))
+    return x, pos
+
+
+@triton.jit
+def radix_hist(key, valid, prefix, PASS: tl.constexpr):
+    """256-bin histogram of digit ``PASS`` over ``valid`` keys whose higher digits equal ``prefix``."""
+    if PASS == 0:
+        match = valid
+    else:
+        match = valid & ((key >> (32 - 8 * PASS)) == prefix)
+    d = tl.where(match, radix_digit(key, PASS), 0)
+    miss = tl.sum(tl.where(match, 0, 1), 0)
+    return tl.histogram(d, 256) - tl.where(tl.arange(0, 256) == 0, miss, 0)
+
+
+@triton.jit
+def next_prefix(prefix, d, PASS: tl.constexpr):
+    """Signed key prefix after digit ``d`` of pass ``PASS`` (the full key after pass 3)."""
+    if PASS == 0:
+        return d - 128
+    else:
+        return prefix * 256 + d

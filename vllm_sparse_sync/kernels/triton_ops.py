@@ -13,6 +13,7 @@ from . import reference as ref
 from .triton_cache import write_k_cache_kernel
 from .triton_scorer import launch_score
 from .triton_topk import launch_radix_topk
+from .triton_topk_sample import launch_sample_topk
 from .workspace import DEFAULT_CONFIG, IndexerTopkWorkspace, KernelConfig
 
 _check = ref._check
@@ -111,6 +112,11 @@ def _workspace(workspace, rows, k, width, device) -> IndexerTopkWorkspace:
     return workspace
 
 
+def _launch_topk(logits, row_lens, active_width, ws, out, k, width) -> None:
+    launch = launch_sample_topk if ws.config.topk_algo == "sample" else launch_radix_topk
+    launch(logits, logits.stride(0), row_lens, active_width, ws, out, k, width)
+
+
 def topk_indices(
     logits: torch.Tensor,
     row_lens: torch.Tensor,
@@ -138,7 +144,7 @@ def topk_indices(
     if rows == 0:
         return out
     ws = _workspace(workspace, rows, k, 0, logits.device)
-    launch_radix_topk(logits, logits.stride(0), row_lens, active_width, ws, out, k, width)
+    _launch_topk(logits, row_lens, active_width, ws, out, k, width)
     return out
 
 
@@ -158,8 +164,8 @@ def indexer_topk(
     """The whole decode indexer step, score then select (``int32 [rows, k]``).
 
     Scores go to the workspace's internal buffer for live columns only (nothing is filled past a
-    row's length), so the step is the scorer plus five top-k launches, each bounded by the live
-    lengths, whatever the width.
+    row's length), so the step is the scorer plus the top-k launches (``workspace.config.topk_algo``),
+    each bounded by the live lengths, whatever the width.
     """
     page = _check_scorer(q_fp8, weights, k_cache, block_table, row_lens, active_width)
     rows = q_fp8.shape[0]
@@ -181,5 +187,5 @@ def indexer_topk(
         q_fp8, weights, k_cache, block_table, row_lens, active_width, logits, page_size=page,
         sel_width=width, fill_width=0, splits=ws.score_splits(rows), config=ws.config,
     )
-    launch_radix_topk(logits, logits.stride(0), row_lens, active_width, ws, out, k, width)
+    _launch_topk(logits, row_lens, active_width, ws, out, k, width)
     return out

@@ -16,25 +16,15 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_common import lanes_where, live_length, pick_digit, radix_digit, sortable_key
-
-
-@triton.jit
-def _chunk_tiles(n, K: tl.constexpr, BLK: tl.constexpr, chunk, chunks):
-    """Tile range ``[t0, t1)`` of this chunk over a row of ``n`` live scores (empty when n <= K)."""
-    n_tiles = tl.where(n > K, tl.cdiv(n, BLK), 0)
-    per = tl.cdiv(n_tiles, chunks)
-    t0 = chunk * per
-    t1 = tl.minimum(t0 + per, n_tiles)
-    return t0, t1
-
-
-@triton.jit
-def _load_tile(x_row, t, t1, n, BLK: tl.constexpr):
-    """Scores of tile ``t`` (``-inf`` past ``n``; nothing read when ``t >= t1``) and their positions."""
-    pos = t * BLK + tl.arange(0, BLK)
-    x = tl.load(x_row + pos, mask=(pos < n) & lanes_where(t < t1, pos), other=float("-inf"))
-    return x, pos
+from .triton_common import (
+    chunk_tiles,
+    lanes_where,
+    live_length,
+    load_tile,
+    pick_digit,
+    radix_digit,
+    sortable_key,
+)
 
 
 @triton.jit(do_not_specialize=["sel_width"])
@@ -58,14 +48,14 @@ def radix_pass_kernel(
     else:
         prefix = tl.load(state_ptr + 2 * row, cache_modifier=".cg")
         need = tl.load(state_ptr + 2 * row + 1, cache_modifier=".cg")
-    t0, t1 = _chunk_tiles(n, K, BLK, chunk, chunks)
+    t0, t1 = chunk_tiles(n, K, BLK, chunk, chunks)
     bins = tl.arange(0, 256)
     acc = tl.zeros([256], dtype=tl.int32)
     above = tl.zeros([BLK], dtype=tl.int32)
     x_row = x_ptr + row.to(tl.int64) * stride_r
-    x, pos = _load_tile(x_row, t0, t1, n, BLK)
+    x, pos = load_tile(x_row, t0, t1, n, BLK)
     for t in range(t0, t1):
-        x_next, pos_next = _load_tile(x_row, t + 1, t1, n, BLK)
+        x_next, pos_next = load_tile(x_row, t + 1, t1, n, BLK)
         inrow = pos < n
         key = sortable_key(x)
         if PASS == 0:
@@ -133,11 +123,11 @@ def radix_emit_kernel(
     before = cc < chunk
     base_gt = tl.sum(tl.where(before, gt_c, 0), 0)
     base_eq = tl.sum(tl.where(before, eq_c, 0), 0)
-    t0, t1 = _chunk_tiles(n, K, BLK, chunk, chunks)
+    t0, t1 = chunk_tiles(n, K, BLK, chunk, chunks)
     x_row = x_ptr + row.to(tl.int64) * stride_r
-    x, pos = _load_tile(x_row, t0, t1, n, BLK)
+    x, pos = load_tile(x_row, t0, t1, n, BLK)
     for t in range(t0, t1):
-        x_next, pos_next = _load_tile(x_row, t + 1, t1, n, BLK)
+        x_next, pos_next = load_tile(x_row, t + 1, t1, n, BLK)
         inrow = pos < n
         key = sortable_key(x)
         g = (inrow & (key > key_k)).to(tl.int32)

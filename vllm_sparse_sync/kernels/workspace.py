@@ -37,9 +37,18 @@ class KernelConfig:
     topk_warps: int = 4
     topk_ctas_per_sm: int = 4
     topk_max_chunks: int = 512
+    topk_algo: str = "radix"  # "radix": 4 histogram passes + emit; "sample": sample, count, compact, resolve
+    topk_cap: int = 8192  # "sample": most candidates per row (rows up to this length skip the sample)
+    topk_samples: int = 2048  # "sample": strided samples per row that set the candidate threshold
+    topk_resolve_block: int = 2048  # "sample": elements per iteration of the one-program-per-row resolve
+    topk_resolve_warps: int = 8
 
     def __post_init__(self) -> None:
-        for name in ("score_tile", "topk_block"):
+        if self.topk_algo not in ("radix", "sample"):
+            raise ValueError(f"topk_algo: 'radix' or 'sample', got {self.topk_algo!r}")
+        if self.topk_cap <= 0:
+            raise ValueError(f"topk_cap: must be > 0, got {self.topk_cap}")
+        for name in ("score_tile", "topk_block", "topk_samples", "topk_resolve_block"):
             v = getattr(self, name)
             if v <= 0 or v & (v - 1):
                 raise ValueError(f"{name}: must be a power of two, got {v}")
@@ -81,6 +90,12 @@ class IndexerTopkWorkspace:
         self.state = torch.zeros(2 * self.rows, **i32)  # per row: key prefix, ties still needed
         self.chunk_sfx = torch.zeros(max_pairs * 256, **i32)
         self.chunk_gt = torch.zeros(max_pairs, **i32)
+        sample = config.topk_algo == "sample"
+        self.thresh = torch.zeros(self.rows if sample else 0, **i32)  # per row: candidate key threshold
+        self.chunk_cnt = torch.zeros(max_pairs if sample else 0, **i32)  # per chunk: candidates
+        cand = self.rows * config.topk_cap if sample else 0
+        self.cand_key = torch.zeros(cand, **i32)  # per row: candidate keys and positions, in position order
+        self.cand_pos = torch.zeros(cand, **i32)
         self.logits = torch.empty(
             self.rows if width else 0, self.width, dtype=torch.float32, device=self.device
         )
