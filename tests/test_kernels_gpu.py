@@ -27,10 +27,18 @@ def _ops():
     return triton_ops
 
 
-def _ws(rows, k, width=0):
-    from vllm_sparse_sync.kernels.workspace import IndexerTopkWorkspace
+ALGOS = ["radix", "sample"]
+# top-k configurations by name; "sample_small": candidates for rows of 2K+ (the default: 8K+)
+TOPK_CFG = {"radix": dict(topk_algo="radix"), "sample": dict(topk_algo="sample"),
+            "sample_small": dict(topk_algo="sample", topk_cap=2048, topk_samples=512)}
 
-    return IndexerTopkWorkspace(rows, k, width, DEV)
+
+def _ws(rows, k, width=0, algo="radix"):
+    from dataclasses import replace
+
+    from vllm_sparse_sync.kernels.workspace import DEFAULT_CONFIG, IndexerTopkWorkspace
+
+    return IndexerTopkWorkspace(rows, k, width, DEV, config=replace(DEFAULT_CONFIG, **TOPK_CFG[algo]))
 
 
 def _tol(logits):
@@ -66,9 +74,10 @@ def test_dense_logits_match_reference(heads):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)
 
 
+@pytest.mark.parametrize("algo", [*ALGOS, "sample_small"])
 @pytest.mark.parametrize("k", [512, 1024, 2048])
 @pytest.mark.parametrize("rows", [1, 8, 64, 256])
-def test_topk_exact_on_dense_logits(k, rows):
+def test_topk_exact_on_dense_logits(k, rows, algo):
     g = torch.Generator(device="cpu").manual_seed(rows * 7 + k)
     lens = torch.randint(0, 12000, (rows,), generator=g)
     lens[0] = k  # length == k
@@ -78,14 +87,17 @@ def test_topk_exact_on_dense_logits(k, rows):
     logits = torch.randn(rows, width, device=DEV)
     logits[:, ::5] = logits[:, 1::5][:, : logits[:, ::5].shape[1]]  # many exact ties
     lens = lens.to(torch.int32).to(DEV)
-    got = _ops().topk_indices(logits, lens, k)
+    ws = _ws(rows, k, algo=algo)
+    got = _ops().topk_indices(logits, lens, k, workspace=ws)
     assert topk_violations(got, logits, ref.effective_lengths(lens, width), k) == []
-    assert torch.equal(got, _ops().topk_indices(logits, lens, k))
+    assert torch.equal(got, _ops().topk_indices(logits, lens, k, workspace=ws))
+    assert torch.equal(got, _ops().topk_indices(logits, lens, k))  # both algorithms: same order
 
 
+@pytest.mark.parametrize("algo", ALGOS)
 @pytest.mark.parametrize("heads,k", [(64, 2048), (32, 2048), (64, 512), (64, 1024)])
 @pytest.mark.parametrize("bound", ["exact", "host_128k", "active_128k"])
-def test_indexer_topk_bounds(heads, k, bound):
+def test_indexer_topk_bounds(heads, k, bound, algo):
     lens = [0, 17, k, k + 1, 9000, 64 * 100, 20000]
     case = make_case(lens, heads=heads, table_pages=2048, device=DEV, seed=heads + k)
     width, active = {
@@ -93,7 +105,7 @@ def test_indexer_topk_bounds(heads, k, bound):
         "host_128k": (131072, None),
         "active_128k": (131072, _active(max(lens))),
     }[bound]
-    ws = _ws(len(lens), k, width)
+    ws = _ws(len(lens), k, width, algo)
     got = _ops().indexer_topk(*case.args, k, active_width=active, width=width, workspace=ws)
     logits = ref.paged_indexer_logits(*case.args, width, active_width=active)
     eff = ref.effective_lengths(case.row_lens, width, active)
@@ -103,19 +115,21 @@ def test_indexer_topk_bounds(heads, k, bound):
     assert int(ws.hist.abs().sum()) == 0
 
 
-def test_indexer_topk_long_rows_and_ties():
+@pytest.mark.parametrize("algo", ALGOS)
+def test_indexer_topk_long_rows_and_ties(algo):
     k = 2048
     lens = [131072, 131000, 65536]
     case = make_case(lens, heads=64, device=DEV, seed=9, ties=True)
     dense = _ops().paged_indexer_logits(*case.args, 131072)
-    got = _ops().indexer_topk(*case.args, k, width=131072)
+    got = _ops().indexer_topk(*case.args, k, width=131072, workspace=_ws(3, k, 131072, algo))
     eff = ref.effective_lengths(case.row_lens, 131072)
     assert topk_violations(got, dense, eff, k, tol=_tol(dense)) == []
     want = ref.paged_indexer_logits(*case.args, 131072)
     torch.testing.assert_close(dense, want, rtol=1e-4, atol=1e-3)
 
 
-def test_compressed_and_mtp_rows():
+@pytest.mark.parametrize("algo", ALGOS)
+def test_compressed_and_mtp_rows(algo):
     # ratio-4 compressed rows (L/4 entries, k=512) and MTP: two rows per request sharing a table
     ctx = [131072, 40000, 9000, 2052]
     lens = []
@@ -124,10 +138,38 @@ def test_compressed_and_mtp_rows():
     case = make_case(lens, heads=64, device=DEV, seed=11)
     case.block_table[0::2] = case.block_table[1::2]
     for k in (512, 1024):
-        got = _ops().indexer_topk(*case.args, k)
-        logits = ref.paged_indexer_logits(*case.args, case.block_table.shape[1] * 64)
+        width = case.block_table.shape[1] * 64
+        got = _ops().indexer_topk(*case.args, k, workspace=_ws(len(lens), k, width, algo))
+        logits = ref.paged_indexer_logits(*case.args, width)
         eff = ref.effective_lengths(case.row_lens, logits.shape[1])
         assert topk_violations(got, logits, eff, k, tol=_tol(logits)) == []
+
+
+@pytest.mark.parametrize("algo", ["sample", "sample_small"])
+def test_sample_topk_adversarial_rows(algo):
+    """Rows that defeat the sampled threshold (fallback) or stress it, exact against the reference."""
+    k, S, width = 2048, 2048, 65536
+    g = torch.Generator(device="cpu").manual_seed(5)
+    logits = torch.randn(8, width, generator=g)
+    n = 60000
+    logits[0, torch.arange(S) * n // S] = 10.0 + torch.rand(S, generator=g)  # samples hold the top
+    logits[1] = 1.0  # all equal: every key is a candidate
+    logits[2] = torch.randint(0, 4, (width,), generator=g).float()  # few distinct values
+    logits[3, torch.randperm(width, generator=g)[: width - 1000]] = float("-inf")  # < k finite
+    logits[4, 5000:] = float("-inf")
+    logits[5, 30000:30000 + k + 50] = 100.0  # a block of large values in one region
+    logits[6] = torch.rand(width, generator=g) * 1e-30  # tiny and subnormal scores
+    lens = torch.tensor([n, width, 50000, width, 9000, 40000, width, 2048 + 1], dtype=torch.int32)
+    logits, lens = logits.to(DEV), lens.to(DEV)
+    ws = _ws(8, k, algo=algo)
+    got = _ops().topk_indices(logits, lens, k, workspace=ws)
+    eff = ref.effective_lengths(lens, width)
+    assert topk_violations(got, logits, eff, k) == []
+    want = ref.topk_indices(logits, lens, k)
+    for r in range(8):
+        assert set(got[r].tolist()) == set(want[r].tolist()), f"row {r}"
+    assert torch.equal(got, _ops().topk_indices(logits, lens, k, workspace=ws))
+    assert torch.equal(got, _ops().topk_indices(logits, lens, k))  # radix: same order
 
 
 def _capture(fn):
@@ -154,19 +196,20 @@ def _refill(case, new):
     case.weights.copy_(new.weights)
 
 
+@pytest.mark.parametrize("algo", [*ALGOS, "sample_small"])
 @pytest.mark.parametrize("contract", ["host_width", "active_width"])
-def test_capture_replay_with_new_lengths_tables_and_bounds(contract):
+def test_capture_replay_with_new_lengths_tables_and_bounds(contract, algo):
     k, rows, table = 512, 4, 128
     width = table * 64
     mk = lambda lens, seed: make_case(lens, heads=64, table_pages=table, num_pages=600,  # noqa: E731
                                       device=DEV, seed=seed)
     case = mk([3000, 0, 8192, 600], 1)
     active = _active(8192) if contract == "active_width" else None
-    ws = _ws(rows, k, width)
+    ws = _ws(rows, k, width, algo)
     out_idx = torch.empty(rows, k, dtype=torch.int32, device=DEV)
     dense = torch.empty(rows, width, dtype=torch.float32, device=DEV)
     top_dense = torch.empty(rows, k, dtype=torch.int32, device=DEV)
-    ws_dense = _ws(rows, k)
+    ws_dense = _ws(rows, k, algo=algo)
     ops = _ops()
 
     def step():
@@ -187,7 +230,8 @@ def test_capture_replay_with_new_lengths_tables_and_bounds(contract):
         assert torch.cuda.memory_allocated() == before
         replayed = (out_idx.clone(), dense.clone(), top_dense.clone())
         eager = (
-            ops.indexer_topk(*case.args, k, active_width=active, width=width),
+            ops.indexer_topk(*case.args, k, active_width=active, width=width,
+                             workspace=_ws(rows, k, width, algo)),
             ops.paged_indexer_logits(*case.args, width, active_width=active),
         )
         assert torch.equal(replayed[0], eager[0])
@@ -224,7 +268,9 @@ def test_capture_write_index_k_cache():
 
 @pytest.mark.parametrize(
     "variant", [dict(precise=0), dict(score_prefetch=1), dict(score_scalar_page=0),
-                dict(score_tile=128, topk_block=512)]
+                dict(score_tile=128, topk_block=512), dict(topk_algo="sample"),
+                dict(topk_algo="sample", topk_cap=4096, topk_samples=512, topk_resolve_block=1024,
+                     topk_resolve_warps=4)]
 )
 def test_config_variants(variant):
     """Other fixed configurations: fp8 tensor-core dot (looser scores), Triton pipeliner, tiles."""
