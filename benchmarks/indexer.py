@@ -2,6 +2,7 @@
 
     python benchmarks/indexer.py [--out benchmarks/results/NAME.json] [--shapes 1x4096,64x65536]
                                  [--peers-only] [--no-peers] [--config score_tile=64,...]
+                                 [--topk-algos radix,sample]
     python benchmarks/indexer.py --combine A.json B.json --out C.json   # merge runs, print table
 
 Times are medians of CUDA-graph replays (per-call = replay time / calls per graph) with inputs
@@ -116,7 +117,7 @@ class Inputs:
         return self.q, self.w, self.caches[i % len(self.caches)], t, self.lens
 
 
-def bench_ours(inp: Inputs, ncalls: int, config, res: dict) -> None:
+def bench_ours(inp: Inputs, ncalls: int, config, res: dict, algos: tuple[str, ...] = ()) -> None:
     from vllm_sparse_sync.kernels import triton_ops as tk
     from vllm_sparse_sync.kernels.triton_scorer import launch_score
 
@@ -154,6 +155,18 @@ def bench_ours(inp: Inputs, ncalls: int, config, res: dict) -> None:
         logits[i % nl], inp.lens, TOPK, workspace=tws, out=out), ncalls)
     res["dense_scorer_us"] = timeit(lambda i: lambda: tk.paged_indexer_logits(
         *inp.args(i), L, out=logits[i % nl], config=config), ncalls)
+    # the other top-k algorithms: top-k alone and the whole step (``topk_<algo>_us``, ``step_<algo>_us``)
+    for algo in (a for a in algos if a != config.topk_algo):
+        cfg_a = replace(config, topk_algo=algo)
+        tws_a = IndexerTopkWorkspace(B, TOPK, 0, DEV, config=cfg_a)
+        res[f"topk_{algo}_us"] = timeit(lambda i, w=tws_a: lambda: tk.topk_indices(
+            logits[i % nl], inp.lens, TOPK, workspace=w, out=out), ncalls)
+        ws_a = IndexerTopkWorkspace(B, TOPK, L, DEV, config=cfg_a)
+        res[f"step_{algo}_us"] = timeit(lambda i, w=ws_a: lambda: tk.indexer_topk(
+            *inp.args(i), TOPK, width=L, workspace=w, out=out), ncalls)
+        mine = tk.topk_indices(logits[0], inp.lens, TOPK, workspace=tws)
+        theirs = tk.topk_indices(logits[0], inp.lens, TOPK, workspace=tws_a)
+        res[f"topk_{algo}_check"] = "ok" if torch.equal(mine, theirs) else "differs"
     res["torch_topk_us"] = timeit(lambda i: lambda: out.copy_(
         torch.topk(logits[i % nl], TOPK, dim=1).indices), min(ncalls, 24))
     # correctness of this run's step (row 0 .. 1), against our dense logits
@@ -260,7 +273,8 @@ def derive(res: dict, bw: float) -> dict:
 
 COLS = [("B", "{}"), ("L", "{}"), ("scorer_us", "{:.1f}"), ("topk_us", "{:.1f}"), ("step_us", "{:.1f}"),
         ("scorer_tbs", "{:.2f}"), ("scorer_pct_copy", "{:.0f}"), ("wide_over_exact", "{:.3f}"),
-        ("scorer_fp8_us", "{:.1f}"), ("step_fp8_us", "{:.1f}"),
+        ("scorer_fp8_us", "{:.1f}"), ("step_fp8_us", "{:.1f}"), ("topk_sample_us", "{:.1f}"),
+        ("step_sample_us", "{:.1f}"), ("topk_radix_us", "{:.1f}"), ("step_radix_us", "{:.1f}"),
         ("torch_topk_us", "{:.1f}"), ("deepgemm_us", "{:.1f}"), ("vllm_persistent_topk_us", "{:.1f}"),
         ("vllm_cooperative_topk_us", "{:.1f}"), ("best_peer_step_us", "{:.1f}"),
         ("ours_over_best_peer", "{:.2f}"), ("ours_fp8_over_best_peer", "{:.2f}")]
@@ -293,7 +307,7 @@ def parse_config(text: str):
     if not text:
         return DEFAULT_CONFIG
     kv = dict(item.split("=") for item in text.split(","))
-    return replace(DEFAULT_CONFIG, **{k: int(v) for k, v in kv.items()})
+    return replace(DEFAULT_CONFIG, **{k: int(v) if v.lstrip("-").isdigit() else v for k, v in kv.items()})
 
 
 def main() -> None:
@@ -304,6 +318,8 @@ def main() -> None:
     ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--config", default="")
     ap.add_argument("--config-file", default="", help="JSON config (variants.py --best); overrides --config")
+    ap.add_argument("--topk-algos", default="radix,sample",
+                    help="top-k algorithms to time besides the config's (topk_<algo>_us, step_<algo>_us)")
     ap.add_argument("--combine", nargs="*")
     a = ap.parse_args()
     if a.combine:
@@ -333,7 +349,7 @@ def main() -> None:
         res = dict(B=B, L=L, copies=copies, calls_per_graph=ncalls)
         try:
             if not a.peers_only:
-                bench_ours(inp, ncalls, config, res)
+                bench_ours(inp, ncalls, config, res, tuple(x for x in a.topk_algos.split(",") if x))
             if dg is not None:
                 bench_deepgemm(dg, inp, ncalls, res)
             if vt is not None:

@@ -29,7 +29,11 @@ SCORER = [dict(), dict(precise=0), dict(score_scalar_page=0), dict(score_scalar_
           dict(score_ctas_per_sm=8), dict(score_tile=128, precise=0)]
 TOPKS = [dict(), dict(topk_ctas_per_sm=8), dict(topk_ctas_per_sm=16),
          dict(topk_block=2048, topk_warps=8), dict(topk_block=4096, topk_warps=8, topk_ctas_per_sm=8),
-         dict(topk_block=512, topk_ctas_per_sm=16)]
+         dict(topk_block=512, topk_ctas_per_sm=16),
+         dict(topk_algo="sample"), dict(topk_algo="sample", topk_resolve_warps=16),
+         dict(topk_algo="sample", topk_resolve_block=4096, topk_resolve_warps=16),
+         dict(topk_algo="sample", topk_resolve_block=1024, topk_resolve_warps=4),
+         dict(topk_algo="sample", topk_samples=4096), dict(topk_algo="sample", topk_ctas_per_sm=8)]
 
 
 def run_variant(inp, kind: str, v: dict, ncalls: int) -> dict:
