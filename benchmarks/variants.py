@@ -33,7 +33,8 @@ TOPKS = [dict(), dict(topk_ctas_per_sm=8), dict(topk_ctas_per_sm=16),
          dict(topk_algo="sample"), dict(topk_algo="sample", topk_resolve_warps=16),
          dict(topk_algo="sample", topk_resolve_block=4096, topk_resolve_warps=16),
          dict(topk_algo="sample", topk_resolve_block=1024, topk_resolve_warps=4),
-         dict(topk_algo="sample", topk_samples=4096), dict(topk_algo="sample", topk_ctas_per_sm=8)]
+         dict(topk_algo="sample", topk_samples=4096), dict(topk_algo="sample", topk_ctas_per_sm=8),
+         dict(topk_algo="sample", topk_sample_above=4096)]
 
 
 def run_variant(inp, kind: str, v: dict, ncalls: int) -> dict:

@@ -30,7 +30,7 @@ def _ops():
 ALGOS = ["radix", "sample"]
 # top-k configurations by name; "sample_small": candidates for rows of 2K+ (the default: 8K+)
 TOPK_CFG = {"radix": dict(topk_algo="radix"), "sample": dict(topk_algo="sample"),
-            "sample_small": dict(topk_algo="sample", topk_cap=2048, topk_samples=512)}
+            "sample_small": dict(topk_algo="sample", topk_cap=2048, topk_sample_above=2048, topk_samples=512)}
 
 
 def _ws(rows, k, width=0, algo="radix"):
@@ -270,7 +270,7 @@ def test_capture_write_index_k_cache():
     "variant", [dict(precise=0), dict(score_prefetch=1), dict(score_scalar_page=0),
                 dict(score_tile=128, topk_block=512), dict(topk_algo="sample"),
                 dict(topk_algo="sample", topk_cap=4096, topk_samples=512, topk_resolve_block=1024,
-                     topk_resolve_warps=4)]
+                     topk_resolve_warps=4), dict(topk_algo="sample", topk_sample_above=2048)]
 )
 def test_config_variants(variant):
     """Other fixed configurations: fp8 tensor-core dot (looser scores), Triton pipeliner, tiles."""

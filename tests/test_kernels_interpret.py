@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -51,8 +52,8 @@ pytestmark = [
 
 
 # "sample" shrunk so small rows take every path: candidates (n > 128), whole row, fallback
-SMALL_SAMPLE = KernelConfig(topk_algo="sample", topk_cap=128, topk_samples=64, topk_block=64,
-                            topk_resolve_block=64)
+SMALL_SAMPLE = KernelConfig(topk_algo="sample", topk_cap=128, topk_sample_above=128, topk_samples=64,
+                            topk_block=64, topk_resolve_block=64)
 ALGOS = {"radix": DEFAULT_CONFIG, "sample": SMALL_SAMPLE}
 
 
@@ -181,8 +182,8 @@ def _sample_topk(logits, lens, k, active=None, cfg=SMALL_SAMPLE):
     assert torch.equal(got, tk.topk_indices(logits, lens, k, active_width=active, workspace=ws))
     chunks = ws.topk_chunks(rows)
     c = ws.chunk_cnt[: rows * chunks].view(rows, chunks).sum(1).tolist()
-    cap = cfg.topk_cap
-    paths = ["short" if n <= k else "row" if n <= cap else "cand" if k <= cc <= cap else "fallback"
+    cap, smin = cfg.topk_cap, cfg.topk_sample_above
+    paths = ["short" if n <= k else "row" if n <= smin else "cand" if k <= cc <= cap else "fallback"
              for n, cc in zip(eff.tolist(), c)]
     return got, paths
 
@@ -195,6 +196,9 @@ def test_sample_topk_random_rows_take_every_path():
     logits[2, 3] = float("-inf")  # n <= k: positions regardless of scores
     _, paths = _sample_topk(logits, lens, k)
     assert paths[:3] == ["short"] * 3 and "row" in paths and "cand" in paths and "fallback" in paths
+    # rows from 41 sampled (below the capacity)
+    _, paths = _sample_topk(logits, lens, k, cfg=replace(SMALL_SAMPLE, topk_sample_above=40))
+    assert paths[4] == "cand"
 
 
 def test_sample_topk_heavy_ties_fall_back():
@@ -220,8 +224,7 @@ def test_sample_topk_threshold_misses_fall_back():
     logits[1] = torch.rand(n1, generator=g) * 0.01
     logits[1, 101:101 + k + 50] = 10.0 + torch.rand(k + 50, generator=g)
     lens = torch.tensor([n0, n1], dtype=torch.int32)
-    cfg = KernelConfig(topk_algo="sample", topk_cap=128, topk_samples=S, topk_block=256,
-                       topk_resolve_block=512)
+    cfg = replace(SMALL_SAMPLE, topk_samples=S, topk_block=256, topk_resolve_block=512)
     _, paths = _sample_topk(logits, lens, k, cfg=cfg)
     assert paths == ["fallback", "fallback"]
 

@@ -1,7 +1,7 @@
 """Triton top-k by sampled threshold and candidate compaction: exact, deterministic, no atomics.
 
 Four launches per call. ``sample`` (one program per row) picks a key threshold from strided
-samples of rows longer than ``CAP``; ``count`` and ``compact`` (grid ``(rows, chunks)``) count
+samples of rows longer than ``SMIN``; ``count`` and ``compact`` (grid ``(rows, chunks)``) count
 the keys at or above it per chunk, then write them, in position order at per-chunk prefix
 offsets, to the row's candidate buffer when there are between ``k`` and ``CAP`` of them;
 ``resolve`` (one program per row) finds the exact k-th largest key of the candidates (or of the
@@ -39,12 +39,12 @@ def _kth_in_regs(key, valid, need):
 @triton.jit(do_not_specialize=["sel_width"])
 def sample_kernel(
     x_ptr, stride_r, lens_ptr, active_ptr, thr_ptr, sel_width,
-    K: tl.constexpr, CAP: tl.constexpr, S: tl.constexpr, HAS_ACTIVE: tl.constexpr,
+    K: tl.constexpr, SMIN: tl.constexpr, S: tl.constexpr, HAS_ACTIVE: tl.constexpr,
 ):
-    """Threshold key of each row longer than ``CAP``: the m-th largest of ``S`` strided samples."""
+    """Threshold key of each row longer than ``SMIN``: the m-th largest of ``S`` strided samples."""
     row = tl.program_id(0)
     n = live_length(lens_ptr, active_ptr, row, sel_width, HAS_ACTIVE)
-    if n > CAP:
+    if n > SMIN:
         n64 = n.to(tl.int64)
         pos = tl.arange(0, S).to(tl.int64) * n64 // S
         key = sortable_key(tl.load(x_ptr + row.to(tl.int64) * stride_r + pos))
@@ -57,14 +57,14 @@ def sample_kernel(
 @triton.jit(do_not_specialize=["sel_width"])
 def count_kernel(
     x_ptr, stride_r, lens_ptr, active_ptr, thr_ptr, cnt_ptr, sel_width,
-    CAP: tl.constexpr, HAS_ACTIVE: tl.constexpr, BLK: tl.constexpr,
+    SMIN: tl.constexpr, HAS_ACTIVE: tl.constexpr, BLK: tl.constexpr,
 ):
-    """Per chunk: live keys at or above the row's threshold (0 for rows up to ``CAP``)."""
+    """Per chunk: live keys at or above the row's threshold (0 for rows up to ``SMIN``)."""
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     chunks = tl.num_programs(1)
     n = live_length(lens_ptr, active_ptr, row, sel_width, HAS_ACTIVE)
-    t0, t1 = chunk_tiles(n, CAP, BLK, chunk, chunks)
+    t0, t1 = chunk_tiles(n, SMIN, BLK, chunk, chunks)
     thr = tl.load(thr_ptr + row)
     x_row = x_ptr + row.to(tl.int64) * stride_r
     acc = tl.zeros([BLK], dtype=tl.int32)
@@ -85,8 +85,8 @@ def _row_counts(cnt_ptr, row, chunk, chunks, CHUNKS_P2: tl.constexpr):
 @triton.jit(do_not_specialize=["sel_width"])
 def compact_kernel(
     x_ptr, stride_r, lens_ptr, active_ptr, thr_ptr, cnt_ptr, ckey_ptr, cpos_ptr, sel_width,
-    K: tl.constexpr, CAP: tl.constexpr, HAS_ACTIVE: tl.constexpr, BLK: tl.constexpr,
-    CHUNKS_P2: tl.constexpr,
+    K: tl.constexpr, CAP: tl.constexpr, SMIN: tl.constexpr, HAS_ACTIVE: tl.constexpr,
+    BLK: tl.constexpr, CHUNKS_P2: tl.constexpr,
 ):
     """Write the chunk's keys at or above the threshold, and their positions, in position order."""
     row = tl.program_id(0)
@@ -94,7 +94,7 @@ def compact_kernel(
     chunks = tl.num_programs(1)
     n = live_length(lens_ptr, active_ptr, row, sel_width, HAS_ACTIVE)
     c, base = _row_counts(cnt_ptr, row, chunk, chunks, CHUNKS_P2)
-    t0, t1 = chunk_tiles(n, CAP, BLK, chunk, chunks)
+    t0, t1 = chunk_tiles(n, SMIN, BLK, chunk, chunks)
     t1 = tl.where((c >= K) & (c <= CAP), t1, t0)
     thr = tl.load(thr_ptr + row)
     x_row = x_ptr + row.to(tl.int64) * stride_r
@@ -154,13 +154,13 @@ def _select_emit(src, src_pos, cnt, out_row, K: tl.constexpr, RB: tl.constexpr, 
 @triton.jit(do_not_specialize=["sel_width"])
 def resolve_kernel(
     x_ptr, stride_r, lens_ptr, active_ptr, cnt_ptr, ckey_ptr, cpos_ptr, out_ptr, stride_o, sel_width,
-    chunks, K: tl.constexpr, CAP: tl.constexpr, HAS_ACTIVE: tl.constexpr, RB: tl.constexpr,
-    CHUNKS_P2: tl.constexpr,
+    chunks, K: tl.constexpr, CAP: tl.constexpr, SMIN: tl.constexpr, HAS_ACTIVE: tl.constexpr,
+    RB: tl.constexpr, CHUNKS_P2: tl.constexpr,
 ):
     """Each row's top-k positions (``0..n-1`` then ``-1`` when n <= K).
 
-    Longer rows select from their candidates when the threshold kept between K and CAP of
-    them, else (short rows, or a threshold that missed) from the whole row.
+    Rows longer than SMIN select from their candidates when the threshold kept between K and
+    CAP of them, else (shorter rows, or a threshold that missed) from the whole row.
     """
     row = tl.program_id(0)
     n = live_length(lens_ptr, active_ptr, row, sel_width, HAS_ACTIVE)
@@ -171,7 +171,7 @@ def resolve_kernel(
         for j in range(0, K, RB):
             pos = j + lane
             tl.store(out_row + pos, tl.where(pos < n, pos, -1), mask=pos < K)
-    elif (n > CAP) & (c >= K) & (c <= CAP):
+    elif (n > SMIN) & (c >= K) & (c <= CAP):
         off = row.to(tl.int64) * CAP
         _select_emit(ckey_ptr + off, cpos_ptr + off, c, out_row, K, RB, False)
     else:
@@ -186,22 +186,23 @@ def launch_sample_topk(x, stride_r, row_lens, active, ws, out, k, sel_width):
     has_active = active is not None
     act = active if has_active else row_lens
     grid = (rows, chunks)
-    cap, p2 = cfg.topk_cap, triton.next_power_of_2(chunks)
+    cap, smin, p2 = cfg.topk_cap, cfg.topk_sample_above, triton.next_power_of_2(chunks)
     sample_kernel[(rows,)](
         x, stride_r, row_lens, act, ws.thresh, sel_width,
-        K=k, CAP=cap, S=cfg.topk_samples, HAS_ACTIVE=has_active, num_warps=cfg.topk_warps,
+        K=k, SMIN=smin, S=cfg.topk_samples, HAS_ACTIVE=has_active, num_warps=cfg.topk_warps,
     )
     count_kernel[grid](
         x, stride_r, row_lens, act, ws.thresh, ws.chunk_cnt, sel_width,
-        CAP=cap, HAS_ACTIVE=has_active, BLK=cfg.topk_block, num_warps=cfg.topk_warps,
+        SMIN=smin, HAS_ACTIVE=has_active, BLK=cfg.topk_block, num_warps=cfg.topk_warps,
     )
     compact_kernel[grid](
         x, stride_r, row_lens, act, ws.thresh, ws.chunk_cnt, ws.cand_key, ws.cand_pos, sel_width,
-        K=k, CAP=cap, HAS_ACTIVE=has_active, BLK=cfg.topk_block, CHUNKS_P2=p2, num_warps=cfg.topk_warps,
+        K=k, CAP=cap, SMIN=smin, HAS_ACTIVE=has_active, BLK=cfg.topk_block, CHUNKS_P2=p2,
+        num_warps=cfg.topk_warps,
     )
     resolve_kernel[(rows,)](
         x, stride_r, row_lens, act, ws.chunk_cnt, ws.cand_key, ws.cand_pos, out, out.stride(0),
         sel_width, chunks,
-        K=k, CAP=cap, HAS_ACTIVE=has_active, RB=cfg.topk_resolve_block, CHUNKS_P2=p2,
+        K=k, CAP=cap, SMIN=smin, HAS_ACTIVE=has_active, RB=cfg.topk_resolve_block, CHUNKS_P2=p2,
         num_warps=cfg.topk_resolve_warps,
     )

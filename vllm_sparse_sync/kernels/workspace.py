@@ -38,7 +38,8 @@ class KernelConfig:
     topk_ctas_per_sm: int = 4
     topk_max_chunks: int = 512
     topk_algo: str = "radix"  # "radix": 4 histogram passes + emit; "sample": sample, count, compact, resolve
-    topk_cap: int = 8192  # "sample": most candidates per row (rows up to this length skip the sample)
+    topk_cap: int = 8192  # "sample": most candidates per row
+    topk_sample_above: int = 8192  # "sample": rows longer than this are sampled, others read whole
     topk_samples: int = 2048  # "sample": strided samples per row that set the candidate threshold
     topk_resolve_block: int = 2048  # "sample": elements per iteration of the one-program-per-row resolve
     topk_resolve_warps: int = 8
@@ -46,8 +47,9 @@ class KernelConfig:
     def __post_init__(self) -> None:
         if self.topk_algo not in ("radix", "sample"):
             raise ValueError(f"topk_algo: 'radix' or 'sample', got {self.topk_algo!r}")
-        if self.topk_cap <= 0:
-            raise ValueError(f"topk_cap: must be > 0, got {self.topk_cap}")
+        if self.topk_cap <= 0 or self.topk_sample_above < 0:
+            raise ValueError(f"topk_cap > 0, topk_sample_above >= 0: got {self.topk_cap}, "
+                             f"{self.topk_sample_above}")
         for name in ("score_tile", "topk_block", "topk_samples", "topk_resolve_block"):
             v = getattr(self, name)
             if v <= 0 or v & (v - 1):
