@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# One GPU session's validation, logs under $OUT (or ./gpu_logs): GPU tests under xdist with the
+# harness report, the audit and the selftest on the GPU, then the indexer benchmark.
+# Usage: bash scripts/gpu_validate.sh [benchmark-name]   (run from the repository root)
+set -uo pipefail
+out=${OUT:-gpu_logs}; mkdir -p "$out"
+name=${1:-h200_validate}
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name())'
+python3 -m pytest -n 2 -m gpu -p vllm_sparse_sync.testing.plugin -q --sync-report "$out/sync_report.json" \
+  2>&1 | tee "$out/pytest_gpu.log" | tail -25
+python3 -m vllm_sparse_sync.cli audit --json "$out/audit.json" 2>&1 | tee "$out/audit.log"
+python3 -m vllm_sparse_sync.cli selftest 2>&1 | tee "$out/selftest.log" | tail -40
+python3 benchmarks/indexer.py --topk-algos radix,sample --out "benchmarks/results/$name.json" \
+  2>&1 | tee "$out/bench.log" | tail -30
+cp "benchmarks/results/$name.json" "$out/" 2>/dev/null || true
