@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One GPU session's validation, logs under $OUT (or ./gpu_logs): GPU tests under xdist with the
 # harness report, the audit and the selftest on the GPU, then the indexer benchmark.
-# Usage: bash scripts/gpu_validate.sh [benchmark-name]   (run from the repository root)
+# Usage: bash scripts/gpu_validate.sh [benchmark-name]   (run from the repository root; copy the
+# benchmark JSON from $OUT into benchmarks/results/ afterwards)
 set -uo pipefail
 out=${OUT:-gpu_logs}; mkdir -p "$out"
 name=${1:-h200_validate}
@@ -11,6 +12,5 @@ python3 -m pytest -n 2 -m gpu -p vllm_sparse_sync.testing.plugin -q --sync-repor
   2>&1 | tee "$out/pytest_gpu.log" | tail -25
 python3 -m vllm_sparse_sync.cli audit --json "$out/audit.json" 2>&1 | tee "$out/audit.log"
 python3 -m vllm_sparse_sync.cli selftest 2>&1 | tee "$out/selftest.log" | tail -40
-python3 benchmarks/indexer.py --topk-algos radix,sample --out "benchmarks/results/$name.json" \
+python3 benchmarks/indexer.py --topk-algos radix,sample --out "$out/$name.json" \
   2>&1 | tee "$out/bench.log" | tail -30
-cp "benchmarks/results/$name.json" "$out/" 2>/dev/null || true
