@@ -40,7 +40,6 @@ from vllm_sparse_sync.kernels import triton_ops as tk  # noqa: E402
 from vllm_sparse_sync.kernels.synth import make_case  # noqa: E402
 from vllm_sparse_sync.kernels.verify import topk_violations  # noqa: E402
 from vllm_sparse_sync.kernels.workspace import (  # noqa: E402
-    DEFAULT_CONFIG,
     IndexerTopkWorkspace,
     KernelConfig,
 )
@@ -54,7 +53,19 @@ pytestmark = [
 # "sample" shrunk so small rows take every path: candidates (n > 128), whole row, fallback
 SMALL_SAMPLE = KernelConfig(topk_algo="sample", topk_cap=128, topk_sample_above=128, topk_samples=64,
                             topk_block=64, topk_resolve_block=64)
-ALGOS = {"radix": DEFAULT_CONFIG, "sample": SMALL_SAMPLE}
+ALGOS = {"radix": KernelConfig(topk_algo="radix"), "sample": SMALL_SAMPLE}
+
+
+def test_auto_algorithm_follows_the_static_row_count():
+    cfg = KernelConfig()  # default: "auto"
+    assert cfg.topk_algo == "auto"
+    assert cfg.topk_algo_for(cfg.topk_sample_min_rows - 1) == "radix"
+    assert cfg.topk_algo_for(cfg.topk_sample_min_rows) == "sample"
+    small = IndexerTopkWorkspace(8, 16, 0, "cpu", num_sms=4)
+    big = IndexerTopkWorkspace(cfg.topk_sample_min_rows, 16, 0, "cpu", num_sms=4)
+    assert small.cand_key.numel() == 0 and big.cand_key.numel() > 0
+    with pytest.raises(ValueError, match="topk_algo"):
+        KernelConfig(topk_algo="bitonic")
 
 
 def _eff(case, width, active=None):
@@ -76,11 +87,7 @@ def test_write_index_k_cache_matches_reference():
 
 @pytest.mark.parametrize("heads, scalar_page", [(16, 1), (32, 1), (16, 0)])
 def test_dense_logits_match_reference_with_holes_and_bounds(heads, scalar_page):
-    from dataclasses import replace
-
-    from vllm_sparse_sync.kernels.workspace import DEFAULT_CONFIG
-
-    cfg = replace(DEFAULT_CONFIG, score_scalar_page=scalar_page)  # one-page tiles or gathered tiles
+    cfg = KernelConfig(score_scalar_page=scalar_page)  # one-page tiles or gathered tiles
     # lengths: 0, page multiple, partial page, longer than the table (clamped)
     case = make_case([0, 128, 77, 190], heads=heads, table_pages=3, seed=2)
     case.block_table[2, 1] = -1  # a hole inside the live range scores -inf

@@ -113,7 +113,8 @@ def _workspace(workspace, rows, k, width, device) -> IndexerTopkWorkspace:
 
 
 def _launch_topk(logits, row_lens, active_width, ws, out, k, width) -> None:
-    launch = launch_sample_topk if ws.config.topk_algo == "sample" else launch_radix_topk
+    algo = ws.config.topk_algo_for(out.shape[0])
+    launch = launch_sample_topk if algo == "sample" else launch_radix_topk
     launch(logits, logits.stride(0), row_lens, active_width, ws, out, k, width)
 
 

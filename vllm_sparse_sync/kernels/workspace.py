@@ -37,7 +37,10 @@ class KernelConfig:
     topk_warps: int = 4
     topk_ctas_per_sm: int = 4
     topk_max_chunks: int = 512
-    topk_algo: str = "radix"  # "radix": 4 histogram passes + emit; "sample": sample, count, compact, resolve
+    # "radix": 4 histogram passes + emit; "sample": sample, count, compact, resolve; "auto": sample
+    # from topk_sample_min_rows rows up (static row count; H200 run 5: radix wins below 32 rows)
+    topk_algo: str = "auto"
+    topk_sample_min_rows: int = 32
     topk_cap: int = 8192  # "sample": most candidates per row
     topk_sample_above: int = 8192  # "sample": rows longer than this are sampled, others read whole
     topk_samples: int = 2048  # "sample": strided samples per row that set the candidate threshold
@@ -45,8 +48,8 @@ class KernelConfig:
     topk_resolve_warps: int = 8
 
     def __post_init__(self) -> None:
-        if self.topk_algo not in ("radix", "sample"):
-            raise ValueError(f"topk_algo: 'radix' or 'sample', got {self.topk_algo!r}")
+        if self.topk_algo not in ("radix", "sample", "auto"):
+            raise ValueError(f"topk_algo: 'radix', 'sample' or 'auto', got {self.topk_algo!r}")
         if self.topk_cap <= 0 or self.topk_sample_above < 0:
             raise ValueError(f"topk_cap > 0, topk_sample_above >= 0: got {self.topk_cap}, "
                              f"{self.topk_sample_above}")
@@ -54,6 +57,12 @@ class KernelConfig:
             v = getattr(self, name)
             if v <= 0 or v & (v - 1):
                 raise ValueError(f"{name}: must be a power of two, got {v}")
+
+    def topk_algo_for(self, rows: int) -> str:
+        """The top-k algorithm for a call of ``rows`` rows (a static shape, never a live length)."""
+        if self.topk_algo != "auto":
+            return self.topk_algo
+        return "sample" if rows >= self.topk_sample_min_rows else "radix"
 
 
 DEFAULT_CONFIG = KernelConfig()
@@ -92,7 +101,7 @@ class IndexerTopkWorkspace:
         self.state = torch.zeros(2 * self.rows, **i32)  # per row: key prefix, ties still needed
         self.chunk_sfx = torch.zeros(max_pairs * 256, **i32)
         self.chunk_gt = torch.zeros(max_pairs, **i32)
-        sample = config.topk_algo == "sample"
+        sample = config.topk_algo_for(self.rows) == "sample"
         self.thresh = torch.zeros(self.rows if sample else 0, **i32)  # per row: candidate key threshold
         self.chunk_cnt = torch.zeros(max_pairs if sample else 0, **i32)  # per chunk: candidates
         cand = self.rows * config.topk_cap if sample else 0
