@@ -23,18 +23,14 @@ from indexer import DEV, L2_BYTES, PAGE, TOPK, Inputs, timeit  # noqa: E402
 
 from vllm_sparse_sync.kernels.workspace import DEFAULT_CONFIG, IndexerTopkWorkspace  # noqa: E402
 
-SCORER = [dict(), dict(precise=0), dict(score_scalar_page=0), dict(score_scalar_page=0, precise=0),
-          dict(score_prefetch=1), dict(score_stages=2), dict(score_stages=3, precise=0),
-          dict(score_tile=128), dict(score_tile=128, score_warps=8), dict(score_ctas_per_sm=2),
-          dict(score_ctas_per_sm=8), dict(score_tile=128, precise=0)]
-TOPKS = [dict(), dict(topk_ctas_per_sm=8), dict(topk_ctas_per_sm=16),
-         dict(topk_block=2048, topk_warps=8), dict(topk_block=4096, topk_warps=8, topk_ctas_per_sm=8),
-         dict(topk_block=512, topk_ctas_per_sm=16),
-         dict(topk_algo="sample"), dict(topk_algo="sample", topk_resolve_warps=16),
+SCORER = [dict(), dict(precise=0), dict(score_stages=2), dict(score_stages=3), dict(score_stages=6),
+          dict(score_ctas_per_sm=2), dict(score_ctas_per_sm=8), dict(score_warps=8),
+          dict(score_page_pairs=1), dict(score_page_pairs=1, score_warps=8),
+          dict(score_page_pairs=1, score_stages=2), dict(score_page_pairs=1, precise=0)]
+TOPKS = [dict(), dict(topk_algo="radix"), dict(topk_algo="sample"),
+         dict(topk_algo="sample", topk_resolve_warps=16),
          dict(topk_algo="sample", topk_resolve_block=4096, topk_resolve_warps=16),
-         dict(topk_algo="sample", topk_resolve_block=1024, topk_resolve_warps=4),
-         dict(topk_algo="sample", topk_samples=4096), dict(topk_algo="sample", topk_ctas_per_sm=8),
-         dict(topk_algo="sample", topk_sample_above=4096)]
+         dict(topk_algo="sample", topk_sample_above=4096), dict(topk_algo="sample", topk_ctas_per_sm=8)]
 
 
 def run_variant(inp, kind: str, v: dict, ncalls: int) -> dict:

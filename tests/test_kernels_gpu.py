@@ -268,6 +268,7 @@ def test_capture_write_index_k_cache():
 
 @pytest.mark.parametrize(
     "variant", [dict(precise=0), dict(score_prefetch=1), dict(score_scalar_page=0),
+                dict(score_page_pairs=1), dict(score_page_pairs=1, precise=0),
                 dict(score_tile=128, topk_block=512), dict(topk_algo="sample"),
                 dict(topk_algo="sample", topk_cap=4096, topk_samples=512, topk_resolve_block=1024,
                      topk_resolve_warps=4), dict(topk_algo="sample", topk_sample_above=2048)]

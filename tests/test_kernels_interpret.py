@@ -85,9 +85,10 @@ def test_write_index_k_cache_matches_reference():
     assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("heads, scalar_page", [(16, 1), (32, 1), (16, 0)])
-def test_dense_logits_match_reference_with_holes_and_bounds(heads, scalar_page):
-    cfg = KernelConfig(score_scalar_page=scalar_page)  # one-page tiles or gathered tiles
+@pytest.mark.parametrize("heads, scalar_page, pairs", [(16, 1, 0), (32, 1, 0), (16, 0, 0), (16, 1, 1)])
+def test_dense_logits_match_reference_with_holes_and_bounds(heads, scalar_page, pairs):
+    # one-page tiles (one or two per iteration) or gathered tiles
+    cfg = KernelConfig(score_scalar_page=scalar_page, score_page_pairs=pairs)
     # lengths: 0, page multiple, partial page, longer than the table (clamped)
     case = make_case([0, 128, 77, 190], heads=heads, table_pages=3, seed=2)
     case.block_table[2, 1] = -1  # a hole inside the live range scores -inf

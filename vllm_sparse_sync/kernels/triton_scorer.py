@@ -84,6 +84,7 @@ def score_kernel(
     H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, TILE: tl.constexpr,
     HAS_ACTIVE: tl.constexpr, FILL_TAIL: tl.constexpr, PREFETCH: tl.constexpr,
     NUM_STAGES: tl.constexpr, PRECISE: tl.constexpr, SCALAR_PAGE: tl.constexpr,
+    PAGE_PAIRS: tl.constexpr,
 ):
     """Scores of row ``program_id(0)``'s live positions ``t < n``; ``-inf`` for holes and past the table."""
     row = tl.program_id(0)
@@ -117,6 +118,19 @@ def score_kernel(
             tl.store(out_row + pos, v, mask=pos < n)
             kb, scale, ok = kb1, scale1, ok1
             page1, ok1 = page2, ok2
+    elif SCALAR_PAGE and PAGE_PAIRS:
+        # two pages per iteration: two independent loads and dots in flight per stage
+        k_offs = lane[:, None] * D + dims[None, :]
+        for pair in tl.range(split, tl.cdiv(n_tiles, 2), splits, num_stages=NUM_STAGES):
+            kb0, scale0, ok0 = _page_keys(kc_ptr, ks_ptr, bt_row, 2 * pair, n_live, num_pages,
+                                          page_stride, k_offs, D, PAGE)
+            kb1, scale1, ok1 = _page_keys(kc_ptr, ks_ptr, bt_row, 2 * pair + 1, n_live, num_pages,
+                                          page_stride, k_offs, D, PAGE)
+            v0 = _tile_scores(kb0, scale0, ok0, q_t, w, PRECISE)
+            v1 = _tile_scores(kb1, scale1, ok1, q_t, w, PRECISE)
+            pos0 = 2 * pair * TILE + lane
+            tl.store(out_row + pos0, v0, mask=pos0 < n)
+            tl.store(out_row + pos0 + TILE, v1, mask=pos0 + TILE < n)
     elif SCALAR_PAGE:
         k_offs = lane[:, None] * D + dims[None, :]
         for tile in tl.range(split, n_tiles, splits, num_stages=NUM_STAGES):
@@ -158,6 +172,7 @@ def launch_score(
         NUM_STAGES=config.score_stages, PRECISE=bool(config.precise),
         SCALAR_PAGE=bool(config.score_scalar_page) and config.score_tile == page_size
         and k_cache.shape[0] > 0,
+        PAGE_PAIRS=bool(config.score_page_pairs),
         num_warps=config.score_warps,
     )
 

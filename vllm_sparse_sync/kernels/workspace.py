@@ -33,6 +33,7 @@ class KernelConfig:
     precise: int = 1  # fp16 dot of e4m3 values (exact products); 0: fp8 tensor-core accumulation
     score_prefetch: int = 0  # 1: next tile's K in registers instead of Triton's pipeliner
     score_scalar_page: int = 1  # 1: when a tile is one page, load it from one scalar page id
+    score_page_pairs: int = 0  # 1: with scalar page ids, two pages per loop iteration
     topk_block: int = 1024  # scores per top-k iteration
     topk_warps: int = 4
     topk_ctas_per_sm: int = 4
