@@ -83,13 +83,17 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="64x65536,8x65536,1x131072,1x4096")
     ap.add_argument("--best", default="")
+    ap.add_argument("--scorer", default="", help="JSON list of scorer variants (replaces the built-in list)")
+    ap.add_argument("--topk", default="", help="JSON list of top-k variants (replaces the built-in list)")
     a = ap.parse_args()
+    scorer_variants = json.loads(a.scorer) if a.scorer else SCORER
+    topk_variants = json.loads(a.topk) if a.topk else TOPKS
     results = []
     for shape in a.shapes.split(","):
         B, L = (int(x) for x in shape.split("x"))
         copies = max(2, min(128, math.ceil(L2_BYTES / (B * L * 132))))
         inp = Inputs(B, L, copies)
-        for kind, variants in (("scorer", SCORER), ("topk", TOPKS)):
+        for kind, variants in (("scorer", scorer_variants), ("topk", topk_variants)):
             for v in variants:
                 res = run_variant(inp, kind, v, max(12, copies))
                 results.append(res)
