@@ -28,7 +28,7 @@ class KernelConfig:
 
     score_tile: int = 64  # tokens per scorer iteration
     score_warps: int = 4
-    score_stages: int = 4
+    score_stages: int = 6  # H200 run 6: 4 -> 6 stages, scorer +13% at B=64, L=64K
     score_ctas_per_sm: int = 4  # scorer programs per SM, split over rows
     precise: int = 1  # fp16 dot of e4m3 values (exact products); 0: fp8 tensor-core accumulation
     score_prefetch: int = 0  # 1: next tile's K in registers instead of Triton's pipeliner
