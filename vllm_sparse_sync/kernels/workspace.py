@@ -43,7 +43,7 @@ class KernelConfig:
     topk_algo: str = "auto"
     topk_sample_min_rows: int = 32
     topk_cap: int = 8192  # "sample": most candidates per row
-    topk_sample_above: int = 8192  # "sample": rows longer than this are sampled, others read whole
+    topk_sample_above: int = 4096  # "sample": rows longer are sampled, others read whole (H200 run 9)
     topk_samples: int = 2048  # "sample": strided samples per row that set the candidate threshold
     topk_resolve_block: int = 2048  # "sample": elements per iteration of the one-program-per-row resolve
     topk_resolve_warps: int = 8
