@@ -112,6 +112,15 @@ def _workspace(workspace, rows, k, width, device) -> IndexerTopkWorkspace:
     return workspace
 
 
+def _index_out(out: torch.Tensor | None, rows: int, k: int, device: torch.device) -> torch.Tensor:
+    """The caller's ``int32 [rows, k]`` output, checked, or a new one."""
+    if out is None:
+        return torch.empty(rows, k, dtype=torch.int32, device=device)
+    _check(out.shape == (rows, k) and out.dtype == torch.int32 and out.stride(1) == 1, "out",
+           f"must be int32 [{rows}, {k}] with contiguous rows")
+    return out
+
+
 def _launch_topk(logits, row_lens, active_width, ws, out, k, width) -> None:
     algo = ws.config.topk_algo_for(out.shape[0])
     launch = launch_sample_topk if algo == "sample" else launch_radix_topk
@@ -138,10 +147,7 @@ def topk_indices(
         _check(active_width.numel() == 1, "active_width", "must hold one element")
     rows, width = logits.shape
     k = int(k)
-    if out is None:
-        out = torch.empty(rows, k, dtype=torch.int32, device=logits.device)
-    _check(out.shape == (rows, k) and out.dtype == torch.int32 and out.stride(1) == 1, "out",
-           f"must be int32 [{rows}, {k}] with contiguous rows")
+    out = _index_out(out, rows, k, logits.device)
     if rows == 0:
         return out
     ws = _workspace(workspace, rows, k, 0, logits.device)
@@ -176,10 +182,7 @@ def indexer_topk(
         width = block_table.shape[1] * page
     width = int(width)
     _check(width >= 0, "width", f"must be >= 0, got {width}")
-    if out is None:
-        out = torch.empty(rows, k, dtype=torch.int32, device=q_fp8.device)
-    _check(out.shape == (rows, k) and out.dtype == torch.int32 and out.stride(1) == 1, "out",
-           f"must be int32 [{rows}, {k}] with contiguous rows")
+    out = _index_out(out, rows, k, q_fp8.device)
     if rows == 0:
         return out
     ws = _workspace(workspace, rows, k, width, q_fp8.device)
