@@ -119,6 +119,23 @@ def test_view_of_a_watched_tensor_made_before_the_region_is_watched():
     assert len(rec.records) == 1
 
 
+def test_taint_survives_a_reused_id_and_address():
+    """A new tainted tensor whose id and storage address were a dead tensor's stays tainted."""
+    import weakref
+
+    from vllm_sparse_sync.testing.layers.sentinel import TaintSet, _storage_key
+
+    taint = TaintSet()
+    t = torch.ones(4)
+    gone = torch.ones(1)
+    dead = weakref.ref(gone)
+    del gone
+    assert dead() is None
+    taint._by_ptr[_storage_key(t)] = {id(t): dead}  # what a freed, reused tensor leaves behind
+    taint.add(t)
+    assert t in taint
+
+
 def test_taint_dies_with_its_tensors():
     with sync_recorder(watch=[], layers="sentinel") as rec:
         pass

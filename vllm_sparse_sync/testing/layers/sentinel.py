@@ -74,7 +74,8 @@ class TaintSet:
         if key is None:
             return
         holders = self._by_ptr.setdefault(key, {})
-        if id(t) not in holders:
+        ref = holders.get(id(t))
+        if ref is None or ref() is not t:  # ids of dead tensors are reused: replace stale refs
             holders[id(t)] = weakref.ref(t)
 
     def __contains__(self, t: torch.Tensor) -> bool:
