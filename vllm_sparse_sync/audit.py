@@ -134,27 +134,6 @@ def _make_case(path: AuditPath, device: torch.device, gen: torch.Generator) -> _
     return _Case(batch, true_lens, rows)
 
 
-def meta_host_reads(builder: IndexerMetadataBuilder, batch: DecodeBatch) -> tuple[int, str]:
-    """Run ``build()`` with every device tensor on the ``meta`` device: a host read raises there."""
-    meta = IndexerMetadataBuilder(builder.layout, max_num_reqs=builder.max_num_reqs,
-                                  max_num_tokens=builder.max_num_tokens,
-                                  max_pages_per_req=builder.max_pages_per_req, device="meta",
-                                  legacy_device_sync=builder.legacy_device_sync)
-    meta_batch = DecodeBatch(
-        query_start_loc=batch.query_start_loc.to("meta"),
-        query_start_loc_cpu=batch.query_start_loc_cpu,
-        seq_lens=batch.seq_lens.to("meta"),
-        shadow=batch.shadow,
-        block_table=batch.block_table.to("meta"),
-        max_seq_len=batch.max_seq_len,
-    )
-    try:
-        meta.build(meta_batch)
-    except (RuntimeError, NotImplementedError) as e:
-        return 1, str(e).splitlines()[0]
-    return 0, ""
-
-
 def harness_host_reads(builder: IndexerMetadataBuilder, batch: DecodeBatch) -> tuple[int, str]:
     """Host reads of one ``build()`` seen by the sync harness (all layers that run here)."""
     from .testing.audit_reads import host_reads

@@ -132,7 +132,7 @@ class IndexerMetadataBuilder:
         return query_lens, num_rows
 
     # ---------------------------------------------------------------- device side
-    def _write_rows(self, batch: DecodeBatch, num_reqs: int, num_rows: int) -> None:
+    def _write_rows(self, batch: DecodeBatch, num_reqs: int) -> None:
         """Per-token kernel lengths and block-table rows for every buffer row (padding -> 0)."""
         lay = self.layout
         cap = self.max_num_tokens
@@ -174,7 +174,7 @@ class IndexerMetadataBuilder:
         )
         query_lens, num_rows = self._validate(batch, bound)
         num_reqs = len(query_lens)
-        self._write_rows(batch, num_reqs, num_rows)
+        self._write_rows(batch, num_reqs)
         if self.legacy_device_sync:
             bound = self._legacy_bound(num_rows)
         self.active_width_buffer.fill_(bound.value)
