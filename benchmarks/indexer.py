@@ -144,6 +144,11 @@ def bench_ours(inp: Inputs, ncalls: int, config, res: dict, algos: tuple[str, ..
     res["step_fp8_us"] = timeit(lambda i: lambda: tk.indexer_topk(
         *inp.args(i), TOPK, width=L, workspace=ws8, out=out), ncalls)
     res["step_us"] = timeit(lambda i: step(i, L), ncalls)
+    res["route"] = "fused" if ws.fused_plan(B, PAGE) is not None else "unfused"
+    if res["route"] == "fused":  # the same step as score-then-select launches, for comparison
+        ws_u = IndexerTopkWorkspace(B, TOPK, WIDE, DEV, config=replace(config, fused_max_rows=0))
+        res["step_unfused_us"] = timeit(lambda i: lambda: tk.indexer_topk(
+            *inp.args(i), TOPK, width=L, workspace=ws_u, out=out), ncalls)
     res["step_wide_host_us"] = timeit(lambda i: step(i, WIDE), ncalls)
     res["step_wide_active_us"] = timeit(lambda i: step(i, WIDE, active), ncalls)
     # top-k alone, on dense logits of width L (rotated copies)
@@ -157,7 +162,7 @@ def bench_ours(inp: Inputs, ncalls: int, config, res: dict, algos: tuple[str, ..
         *inp.args(i), L, out=logits[i % nl], config=config), ncalls)
     # the other top-k algorithms: top-k alone and the whole step (``topk_<algo>_us``, ``step_<algo>_us``)
     for algo in (a for a in algos if a != config.topk_algo):
-        cfg_a = replace(config, topk_algo=algo)
+        cfg_a = replace(config, topk_algo=algo, fused_max_rows=0)
         tws_a = IndexerTopkWorkspace(B, TOPK, 0, DEV, config=cfg_a)
         res[f"topk_{algo}_us"] = timeit(lambda i, w=tws_a: lambda: tk.topk_indices(
             logits[i % nl], inp.lens, TOPK, workspace=w, out=out), ncalls)
@@ -177,6 +182,7 @@ def bench_ours(inp: Inputs, ncalls: int, config, res: dict, algos: tuple[str, ..
     rows = min(B, 2)
     bad = topk_violations(got[:rows], dense[:rows], inp.lens[:rows], TOPK, tol=1e-3)
     res["step_check"] = "ok" if not bad else bad[0]
+    res["fused_stalls"] = int(ws.fused_stall.item())  # barriers that gave up waiting (must be 0)
     if B * L <= 65536:  # the torch reference scorer (Python loop over rows, host syncs): eager timing
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         ref.paged_indexer_logits(*inp.args(0), L)
@@ -271,7 +277,8 @@ def derive(res: dict, bw: float) -> dict:
     return res
 
 
-COLS = [("B", "{}"), ("L", "{}"), ("scorer_us", "{:.1f}"), ("topk_us", "{:.1f}"), ("step_us", "{:.1f}"),
+COLS = [("B", "{}"), ("L", "{}"), ("route", "{}"), ("scorer_us", "{:.1f}"), ("topk_us", "{:.1f}"),
+        ("step_us", "{:.1f}"), ("step_unfused_us", "{:.1f}"),
         ("scorer_tbs", "{:.2f}"), ("scorer_pct_copy", "{:.0f}"), ("wide_over_exact", "{:.3f}"),
         ("scorer_fp8_us", "{:.1f}"), ("step_fp8_us", "{:.1f}"), ("topk_sample_us", "{:.1f}"),
         ("step_sample_us", "{:.1f}"), ("topk_radix_us", "{:.1f}"), ("step_radix_us", "{:.1f}"),

@@ -27,10 +27,14 @@ def _ops():
     return triton_ops
 
 
-ALGOS = ["radix", "sample"]
-# top-k configurations by name; "sample_small": candidates for rows of 2K+ (the default: 8K+)
-TOPK_CFG = {"radix": dict(topk_algo="radix"), "sample": dict(topk_algo="sample"),
-            "sample_small": dict(topk_algo="sample", topk_cap=2048, topk_sample_above=2048, topk_samples=512)}
+ALGOS = ["radix", "sample", "fused"]
+# step configurations by name; "sample_small": candidates for rows of 2K+ (the default: 8K+);
+# "fused": the default, one fused launch for calls of <= 8 rows (the others run score, then top-k)
+TOPK_CFG = {"radix": dict(topk_algo="radix", fused_max_rows=0),
+            "sample": dict(topk_algo="sample", fused_max_rows=0),
+            "sample_small": dict(topk_algo="sample", topk_cap=2048, topk_sample_above=2048, topk_samples=512,
+                                 fused_max_rows=0),
+            "fused": dict()}
 
 
 def _ws(rows, k, width=0, algo="radix"):
@@ -39,6 +43,12 @@ def _ws(rows, k, width=0, algo="radix"):
     from vllm_sparse_sync.kernels.workspace import DEFAULT_CONFIG, IndexerTopkWorkspace
 
     return IndexerTopkWorkspace(rows, k, width, DEV, config=replace(DEFAULT_CONFIG, **TOPK_CFG[algo]))
+
+
+def _assert_reset(ws):
+    """Every histogram and counter of the workspace is back at zero; no fused barrier stalled."""
+    for t in (ws.hist, ws.ticks, ws.fused_hist, ws.fused_sync, ws.fused_stall):
+        assert int(t.abs().sum()) == 0
 
 
 def _tol(logits):
@@ -74,7 +84,7 @@ def test_dense_logits_match_reference(heads):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)
 
 
-@pytest.mark.parametrize("algo", [*ALGOS, "sample_small"])
+@pytest.mark.parametrize("algo", ["radix", "sample", "sample_small"])
 @pytest.mark.parametrize("k", [512, 1024, 2048])
 @pytest.mark.parametrize("rows", [1, 8, 64, 256])
 def test_topk_exact_on_dense_logits(k, rows, algo):
@@ -106,13 +116,14 @@ def test_indexer_topk_bounds(heads, k, bound, algo):
         "active_128k": (131072, _active(max(lens))),
     }[bound]
     ws = _ws(len(lens), k, width, algo)
+    assert (ws.fused_plan(len(lens), 64) is not None) == (algo == "fused")
     got = _ops().indexer_topk(*case.args, k, active_width=active, width=width, workspace=ws)
     logits = ref.paged_indexer_logits(*case.args, width, active_width=active)
     eff = ref.effective_lengths(case.row_lens, width, active)
     assert topk_violations(got, logits, eff, k, tol=_tol(logits)) == []
     again = _ops().indexer_topk(*case.args, k, active_width=active, width=width, workspace=ws)
     assert torch.equal(got, again)
-    assert int(ws.hist.abs().sum()) == 0
+    _assert_reset(ws)
 
 
 @pytest.mark.parametrize("algo", ALGOS)
@@ -121,7 +132,9 @@ def test_indexer_topk_long_rows_and_ties(algo):
     lens = [131072, 131000, 65536]
     case = make_case(lens, heads=64, device=DEV, seed=9, ties=True)
     dense = _ops().paged_indexer_logits(*case.args, 131072)
-    got = _ops().indexer_topk(*case.args, k, width=131072, workspace=_ws(3, k, 131072, algo))
+    ws = _ws(3, k, 131072, algo)
+    got = _ops().indexer_topk(*case.args, k, width=131072, workspace=ws)
+    _assert_reset(ws)
     eff = ref.effective_lengths(case.row_lens, 131072)
     assert topk_violations(got, dense, eff, k, tol=_tol(dense)) == []
     want = ref.paged_indexer_logits(*case.args, 131072)
@@ -271,7 +284,9 @@ def test_capture_write_index_k_cache():
                 dict(score_page_pairs=1), dict(score_page_pairs=1, precise=0),
                 dict(score_tile=128, topk_block=512), dict(topk_algo="sample"),
                 dict(topk_algo="sample", topk_cap=4096, topk_samples=512, topk_resolve_block=1024,
-                     topk_resolve_warps=4), dict(topk_algo="sample", topk_sample_above=2048)]
+                     topk_resolve_warps=4), dict(topk_algo="sample", topk_sample_above=2048),
+                dict(fused_max_rows=8), dict(fused_max_rows=8, precise=0),
+                dict(fused_max_rows=8, fused_warps=4, fused_stages=2, fused_resolve_block=512)]
 )
 def test_config_variants(variant):
     """Other fixed configurations: fp8 tensor-core dot (looser scores), Triton pipeliner, tiles."""
@@ -279,7 +294,7 @@ def test_config_variants(variant):
 
     from vllm_sparse_sync.kernels.workspace import DEFAULT_CONFIG, IndexerTopkWorkspace
 
-    cfg = replace(DEFAULT_CONFIG, **variant)
+    cfg = replace(DEFAULT_CONFIG, **{"fused_max_rows": 0, **variant})
     k = 1024
     lens = [0, 1000, 1025, 30000, 64 * 200]
     case = make_case(lens, heads=64, device=DEV, seed=13)
@@ -293,3 +308,34 @@ def test_config_variants(variant):
     torch.testing.assert_close(dense, want, rtol=1e-4, atol=atol)
     eff = ref.effective_lengths(case.row_lens, width)
     assert topk_violations(got, dense, eff, k, tol=_tol(dense)) == []
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("heads,k", [(64, 2048), (32, 512), (64, 1024)])
+def test_fused_step_shapes_and_both_contracts(rows, heads, k):
+    """The fused route over 1 to 8 rows: lengths 0, <= k, page multiples, to 128K; three bounds."""
+    pool = [0, k - 1, k, k + 1, 64 * 37, 131072, 100000, 65536 + 5]
+    lens = [pool[(i * 3 + rows) % len(pool)] for i in range(rows)]
+    lens[0] = 131072 if rows > 1 else 65536  # every call has a long row
+    case = make_case(lens, heads=heads, table_pages=2048, device=DEV, seed=rows * 7 + k)
+    for width, active in [(max(lens), None), (131072, None), (131072, _active(max(lens)))]:
+        ws = _ws(rows, k, width, "fused")
+        assert ws.fused_plan(rows, 64) is not None
+        got = _ops().indexer_topk(*case.args, k, active_width=active, width=width, workspace=ws)
+        dense = _ops().paged_indexer_logits(*case.args, width, active_width=active)
+        eff = ref.effective_lengths(case.row_lens, width, active)
+        assert topk_violations(got, dense, eff, k, tol=_tol(dense)) == []
+        assert torch.equal(got, _ops().indexer_topk(*case.args, k, active_width=active, width=width,
+                                                    workspace=ws))
+        _assert_reset(ws)
+
+
+def test_fused_step_repeated_calls_stay_exact():
+    """Many back-to-back fused launches (barrier counters reset by each call) agree with one another."""
+    k, rows = 2048, 8
+    case = make_case([131072 - 64 * r for r in range(rows)], heads=64, device=DEV, seed=21)
+    ws = _ws(rows, k, 131072, "fused")
+    first = _ops().indexer_topk(*case.args, k, workspace=ws)
+    outs = [_ops().indexer_topk(*case.args, k, workspace=ws) for _ in range(50)]
+    assert all(torch.equal(first, o) for o in outs)
+    _assert_reset(ws)

@@ -28,6 +28,7 @@ _KERNEL_MODULES = [
     "vllm_sparse_sync.kernels.triton_scorer",
     "vllm_sparse_sync.kernels.triton_topk",
     "vllm_sparse_sync.kernels.triton_topk_sample",
+    "vllm_sparse_sync.kernels.triton_fused",
     "vllm_sparse_sync.kernels.triton_ops",
 ]
 if not _CUDA:
@@ -52,8 +53,10 @@ pytestmark = [
 
 # "sample" shrunk so small rows take every path: candidates (n > 128), whole row, fallback
 SMALL_SAMPLE = KernelConfig(topk_algo="sample", topk_cap=128, topk_sample_above=128, topk_samples=64,
-                            topk_block=64, topk_resolve_block=64)
-ALGOS = {"radix": KernelConfig(topk_algo="radix"), "sample": SMALL_SAMPLE}
+                            topk_block=64, topk_resolve_block=64, fused_max_rows=0)
+ALGOS = {"radix": KernelConfig(topk_algo="radix", fused_max_rows=0), "sample": SMALL_SAMPLE}
+# the fused step, its one-program resolve shrunk so candidates span several iterations
+FUSED = KernelConfig(fused_resolve_block=64)
 
 
 def test_auto_algorithm_follows_the_static_row_count():
@@ -128,7 +131,8 @@ def test_topk_follows_active_width_and_is_deterministic(algo):
 
 @pytest.mark.parametrize("bound, algo", [("exact", "radix"), ("host_width", "radix"),
                                          ("active_width", "radix"), ("host_width", "sample"),
-                                         ("active_width", "sample")])
+                                         ("active_width", "sample"), ("exact", "fused"),
+                                         ("host_width", "fused"), ("active_width", "fused")])
 def test_indexer_topk_both_host_contracts(bound, algo):
     k = 32
     lens = [0, 31, 32, 64, 150, 257]
@@ -139,13 +143,21 @@ def test_indexer_topk_both_host_contracts(bound, algo):
         "host_width": (6 * 64, None),
         "active_width": (6 * 64, torch.tensor([exact], dtype=torch.int32)),
     }[bound]
-    ws = IndexerTopkWorkspace(len(lens), k, width, "cpu", num_sms=5, config=ALGOS[algo])
+    cfg = FUSED if algo == "fused" else ALGOS[algo]
+    ws = IndexerTopkWorkspace(len(lens), k, width, "cpu", num_sms=5 if algo != "fused" else 16, config=cfg)
+    assert (ws.fused_plan(len(lens), 64) is not None) == (algo == "fused")
     got = tk.indexer_topk(*case.args, k, active_width=active, width=width, workspace=ws)
     logits = ref.paged_indexer_logits(*case.args, width, active_width=active)
     assert topk_violations(got, logits, _eff(case, width, active), k, tol=1e-3) == []
     again = tk.indexer_topk(*case.args, k, active_width=active, width=width, workspace=ws)
     assert torch.equal(got, again)
-    assert int(ws.hist.abs().sum()) == 0
+    _assert_reset(ws)
+
+
+def _assert_reset(ws):
+    """Every histogram and counter of the workspace is back at zero; no barrier stalled."""
+    for t in (ws.hist, ws.ticks, ws.fused_hist, ws.fused_sync, ws.fused_stall):
+        assert int(t.abs().sum()) == 0
 
 
 def test_indexer_topk_active_width_clamps_below_lengths():
@@ -249,3 +261,75 @@ def test_sample_topk_neg_inf_holes_active_clamp_and_wide_host_width():
     _sample_topk(logits, lens, k)
     _, paths = _sample_topk(logits, lens, k, active=torch.tensor([260], dtype=torch.int32))
     assert "cand" in paths or "fallback" in paths
+
+
+def _fused_step(case, k, width, active=None, cfg=FUSED, num_sms=16):
+    """The fused step on ``case``, checked against the reference; returns it and its workspace."""
+    rows = case.row_lens.shape[0]
+    ws = IndexerTopkWorkspace(rows, k, width, "cpu", num_sms=num_sms, config=cfg)
+    assert ws.fused_plan(rows, 64) is not None
+    got = tk.indexer_topk(*case.args, k, active_width=active, width=width, workspace=ws)
+    logits = ref.paged_indexer_logits(*case.args, width, active_width=active)
+    assert topk_violations(got, logits, _eff(case, width, active), k, tol=1e-3) == []
+    assert torch.equal(got, tk.indexer_topk(*case.args, k, active_width=active, width=width, workspace=ws))
+    _assert_reset(ws)
+    return got, ws
+
+
+def test_fused_step_random_lengths_match_reference(gen):
+    # lengths from 0 past several parts; k small so most rows select; 1 SM-slot per part
+    k = int(torch.randint(8, 64, (1,), generator=gen))
+    lens = torch.randint(0, 700, (4,), generator=gen).tolist() + [k, k + 1, 640]
+    case = make_case(lens, heads=16, table_pages=12, seed=int(torch.randint(0, 2**31, (1,), generator=gen)))
+    got, _ = _fused_step(case, k, 12 * 64)
+    want = ref.indexer_topk(*case.args, k, width=12 * 64)
+    for r, n in enumerate(lens):
+        assert set(got[r].tolist()) == set(want[r].tolist()), f"row {r} (len {n})"
+
+
+def test_fused_step_heavy_ties_resolve_over_many_candidates():
+    # scores from {-x, 0, x}: the k-th key's bin holds hundreds of candidates (resolve block 64)
+    k = 40
+    case = make_case([700, 450, 41, 768], heads=16, table_pages=12, ties=True, seed=12)
+    _fused_step(case, k, 12 * 64)
+
+
+def test_fused_step_holes_and_rows_past_the_table():
+    # a -1 hole inside a live range and a row longer than its table: -inf keys still count
+    k = 16
+    case = make_case([300, 200, 64], heads=16, table_pages=4, seed=13)
+    case.block_table[1, 1] = -1
+    got, _ = _fused_step(case, k, 320)
+    assert bool((got[0] >= 0).all()) and int(got[0].max()) < 256  # finite scores beat the -inf tail
+
+
+def test_fused_step_one_part_per_row_and_bound_far_above():
+    # 4 slots for 4 rows: each row is one program holding every tile; the host width is 8x the rows
+    k = 32
+    case = make_case([0, 33, 128, 500], heads=32, table_pages=64, seed=14)
+    _, ws = _fused_step(case, k, 64 * 64, num_sms=4)
+    assert ws.fused_plan(4, 64) == (1, 64)
+    _fused_step(case, k, 64 * 64, active=torch.tensor([130], dtype=torch.int32), num_sms=4)
+
+
+def test_fused_plan_comes_from_static_capacities():
+    from vllm_sparse_sync.kernels.triton_fused import fused_plan
+
+    # 132 SMs: one row spreads over 128 parts of 16 tiles; 8 rows over 16 parts of 128 tiles
+    assert fused_plan(1, 131072, 64, 132, 1, 16384) == (128, 16)
+    assert fused_plan(8, 131072, 64, 132, 1, 16384) == (16, 128)
+    assert fused_plan(8, 262144, 64, 132, 1, 16384) == (16, 256)  # 16384 keys per part: the most
+    assert fused_plan(8, 262145, 64, 132, 1, 16384) is None  # 512 tiles of keys per part: too many
+    assert fused_plan(8, 131073, 64, 132, 1, 8192) is None  # the default most keys per part
+    assert fused_plan(200, 4096, 64, 132, 1, 16384) is None  # more rows than resident programs
+    assert fused_plan(2, 0, 64, 132, 1, 16384) is None
+    for rows, width in [(1, 4096), (3, 100000), (8, 8192), (5, 64)]:
+        parts, nsub = fused_plan(rows, width, 64, 132, 1, 16384)
+        assert rows * parts <= 132 and parts * nsub * 64 >= width
+    cfg = KernelConfig()
+    assert IndexerTopkWorkspace(9, 16, 4096, "cpu", num_sms=132).fused_plan(9, 64) is None
+    assert IndexerTopkWorkspace(8, 16, 0, "cpu", num_sms=132).fused_plan(8, 64) is None
+    assert IndexerTopkWorkspace(8, 16, 4096, "cpu", num_sms=132).fused_plan(8, 64) is not None
+    assert cfg.fused_max_rows == 8
+    with pytest.raises(ValueError, match="fused_max_keys"):
+        KernelConfig(fused_max_keys=1000)

@@ -45,7 +45,13 @@ def radix_digit(key, PASS: tl.constexpr):
 @triton.jit
 def pick_digit(h, need):
     """Digit ``d`` of a 256-bin histogram where the ``need``-th largest falls; returns (d, need left in d)."""
-    idx = tl.arange(0, 256)
+    return pick_bin(h, need, 256)
+
+
+@triton.jit
+def pick_bin(h, need, NBINS: tl.constexpr):
+    """Bin ``d`` of an ``NBINS`` histogram holding the ``need``-th largest; returns (d, need left in d)."""
+    idx = tl.arange(0, NBINS)
     incl = tl.cumsum(h, 0)
     total = tl.sum(h, 0)
     ge = total - incl + h

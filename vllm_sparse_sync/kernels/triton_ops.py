@@ -11,6 +11,7 @@ import torch
 
 from . import reference as ref
 from .triton_cache import write_k_cache_kernel
+from .triton_fused import launch_fused_step
 from .triton_scorer import launch_score
 from .triton_topk import launch_radix_topk
 from .triton_topk_sample import launch_sample_topk
@@ -170,9 +171,11 @@ def indexer_topk(
 ) -> torch.Tensor:
     """The whole decode indexer step, score then select (``int32 [rows, k]``).
 
-    Scores go to the workspace's internal buffer for live columns only (nothing is filled past a
-    row's length), so the step is the scorer plus the top-k launches (``workspace.config.topk_algo``),
-    each bounded by the live lengths, whatever the width.
+    Up to ``workspace.config.fused_max_rows`` rows (a static count) it is one fused launch whose
+    scores stay in registers (``triton_fused``). Otherwise scores go to the workspace's internal
+    buffer for live columns only (nothing is filled past a row's length), then the top-k launches
+    (``workspace.config.topk_algo``) run; every route is bounded by the live lengths, whatever the
+    width.
     """
     page = _check_scorer(q_fp8, weights, k_cache, block_table, row_lens, active_width)
     rows = q_fp8.shape[0]
@@ -186,6 +189,11 @@ def indexer_topk(
     if rows == 0:
         return out
     ws = _workspace(workspace, rows, k, width, q_fp8.device)
+    plan = ws.fused_plan(rows, page)
+    if plan is not None:
+        launch_fused_step(q_fp8, weights, k_cache, block_table, row_lens, active_width, out, ws,
+                          k=k, page=page, sel_width=width, plan=plan)
+        return out
     logits = ws.logits
     launch_score(
         q_fp8, weights, k_cache, block_table, row_lens, active_width, logits, page_size=page,

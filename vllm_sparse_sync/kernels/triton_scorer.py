@@ -46,7 +46,7 @@ def _tile_keys(kc_ptr, ks_ptr, page, ok, tile, page_stride,
 
 
 @triton.jit
-def _page_keys(kc_ptr, ks_ptr, bt_row, tile, n_live, num_pages, page_stride, k_offs,
+def page_keys(kc_ptr, ks_ptr, bt_row, tile, n_live, num_pages, page_stride, k_offs,
                D: tl.constexpr, PAGE: tl.constexpr):
     """A tile that is exactly one page: fp8 K ``[PAGE, D]``, scales ``[PAGE]``, validity ``[PAGE]``.
 
@@ -66,7 +66,22 @@ def _page_keys(kc_ptr, ks_ptr, bt_row, tile, n_live, num_pages, page_stride, k_o
 
 
 @triton.jit
-def _tile_scores(kb, scale, ok, q_t, w, PRECISE: tl.constexpr):
+def load_query(q_ptr, w_ptr, row, H: tl.constexpr, D: tl.constexpr, PRECISE: tl.constexpr):
+    """Row ``row``'s query as the dot's right operand ``[D, H]`` and its head weights ``[H]``."""
+    heads = tl.arange(0, H)
+    dims = tl.arange(0, D)
+    q = tl.load(q_ptr + row * (H * D) + heads[:, None] * D + dims[None, :])
+    q = q.to(tl.float8e4nv, bitcast=True)
+    if PRECISE:  # e4m3 is exact in fp16: exact products, fp32 accumulation
+        q_t = tl.trans(q.to(tl.float16))
+    else:  # fp8 tensor-core accumulation (Hopper keeps ~14 mantissa bits)
+        q_t = tl.trans(q)
+    w = tl.load(w_ptr + row * H + heads)
+    return q_t, w
+
+
+@triton.jit
+def tile_scores(kb, scale, ok, q_t, w, PRECISE: tl.constexpr):
     """``scale * sum_h w_h relu(k . q_h)`` per token, ``-inf`` where invalid."""
     k8 = kb.to(tl.float8e4nv, bitcast=True)
     if PRECISE:
@@ -92,16 +107,9 @@ def score_kernel(
     splits = tl.num_programs(1)
     n = live_length(lens_ptr, active_ptr, row, sel_width, HAS_ACTIVE)
     n_live = tl.minimum(n, live_width)
-    heads = tl.arange(0, H)
     dims = tl.arange(0, D)
     lane = tl.arange(0, TILE)
-    q = tl.load(q_ptr + row * (H * D) + heads[:, None] * D + dims[None, :])
-    q = q.to(tl.float8e4nv, bitcast=True)
-    if PRECISE:  # e4m3 is exact in fp16: exact products, fp32 accumulation
-        q_t = tl.trans(q.to(tl.float16))
-    else:  # fp8 tensor-core accumulation (Hopper keeps ~14 mantissa bits)
-        q_t = tl.trans(q)
-    w = tl.load(w_ptr + row * H + heads)
+    q_t, w = load_query(q_ptr, w_ptr, row, H, D, PRECISE)
     out_row = out_ptr + row.to(tl.int64) * out_stride
     bt_row = bt_ptr + row.to(tl.int64) * bt_stride
     n_tiles = tl.cdiv(n, TILE)
@@ -113,7 +121,7 @@ def score_kernel(
         for tile in range(split, n_tiles, splits):
             kb1, scale1 = _tile_keys(kc_ptr, ks_ptr, page1, ok1, tile + splits, page_stride, D, PAGE, TILE)
             page2, ok2 = _tile_pages(bt_row, tile + 2 * splits, n_live, num_pages, PAGE, TILE)
-            v = _tile_scores(kb, scale, ok, q_t, w, PRECISE)
+            v = tile_scores(kb, scale, ok, q_t, w, PRECISE)
             pos = tile * TILE + lane
             tl.store(out_row + pos, v, mask=pos < n)
             kb, scale, ok = kb1, scale1, ok1
@@ -122,28 +130,28 @@ def score_kernel(
         # two pages per iteration: two independent loads and dots in flight per stage
         k_offs = lane[:, None] * D + dims[None, :]
         for pair in tl.range(split, tl.cdiv(n_tiles, 2), splits, num_stages=NUM_STAGES):
-            kb0, scale0, ok0 = _page_keys(kc_ptr, ks_ptr, bt_row, 2 * pair, n_live, num_pages,
+            kb0, scale0, ok0 = page_keys(kc_ptr, ks_ptr, bt_row, 2 * pair, n_live, num_pages,
                                           page_stride, k_offs, D, PAGE)
-            kb1, scale1, ok1 = _page_keys(kc_ptr, ks_ptr, bt_row, 2 * pair + 1, n_live, num_pages,
+            kb1, scale1, ok1 = page_keys(kc_ptr, ks_ptr, bt_row, 2 * pair + 1, n_live, num_pages,
                                           page_stride, k_offs, D, PAGE)
-            v0 = _tile_scores(kb0, scale0, ok0, q_t, w, PRECISE)
-            v1 = _tile_scores(kb1, scale1, ok1, q_t, w, PRECISE)
+            v0 = tile_scores(kb0, scale0, ok0, q_t, w, PRECISE)
+            v1 = tile_scores(kb1, scale1, ok1, q_t, w, PRECISE)
             pos0 = 2 * pair * TILE + lane
             tl.store(out_row + pos0, v0, mask=pos0 < n)
             tl.store(out_row + pos0 + TILE, v1, mask=pos0 + TILE < n)
     elif SCALAR_PAGE:
         k_offs = lane[:, None] * D + dims[None, :]
         for tile in tl.range(split, n_tiles, splits, num_stages=NUM_STAGES):
-            kb, scale, ok = _page_keys(kc_ptr, ks_ptr, bt_row, tile, n_live, num_pages, page_stride,
+            kb, scale, ok = page_keys(kc_ptr, ks_ptr, bt_row, tile, n_live, num_pages, page_stride,
                                        k_offs, D, PAGE)
-            v = _tile_scores(kb, scale, ok, q_t, w, PRECISE)
+            v = tile_scores(kb, scale, ok, q_t, w, PRECISE)
             pos = tile * TILE + lane
             tl.store(out_row + pos, v, mask=pos < n)
     else:
         for tile in tl.range(split, n_tiles, splits, num_stages=NUM_STAGES):
             page, ok = _tile_pages(bt_row, tile, n_live, num_pages, PAGE, TILE)
             kb, scale = _tile_keys(kc_ptr, ks_ptr, page, ok, tile, page_stride, D, PAGE, TILE)
-            v = _tile_scores(kb, scale, ok, q_t, w, PRECISE)
+            v = tile_scores(kb, scale, ok, q_t, w, PRECISE)
             pos = tile * TILE + lane
             tl.store(out_row + pos, v, mask=pos < n)
     if FILL_TAIL:

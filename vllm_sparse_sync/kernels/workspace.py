@@ -47,6 +47,13 @@ class KernelConfig:
     topk_samples: int = 2048  # "sample": strided samples per row that set the candidate threshold
     topk_resolve_block: int = 2048  # "sample": elements per iteration of the one-program-per-row resolve
     topk_resolve_warps: int = 8
+    # fused step (score and select in one launch) for calls of at most fused_max_rows rows (0: never)
+    fused_max_rows: int = 8
+    fused_ctas_per_sm: int = 1  # every program must be resident at once (device-side barriers)
+    fused_max_keys: int = 8192  # most keys a program holds in registers (else the unfused route)
+    fused_stages: int = 4
+    fused_warps: int = 8  # 8 warps hold 8192 keys per program without spills (ptxas, sm_90a)
+    fused_resolve_block: int = 2048  # candidates per iteration of the one-program resolve
 
     def __post_init__(self) -> None:
         if self.topk_algo not in ("radix", "sample", "auto"):
@@ -54,7 +61,11 @@ class KernelConfig:
         if self.topk_cap <= 0 or self.topk_sample_above < 0:
             raise ValueError(f"topk_cap > 0, topk_sample_above >= 0: got {self.topk_cap}, "
                              f"{self.topk_sample_above}")
-        for name in ("score_tile", "topk_block", "topk_samples", "topk_resolve_block"):
+        if self.fused_max_rows < 0 or self.fused_ctas_per_sm <= 0:
+            raise ValueError(f"fused_max_rows >= 0, fused_ctas_per_sm > 0: got {self.fused_max_rows}, "
+                             f"{self.fused_ctas_per_sm}")
+        for name in ("score_tile", "topk_block", "topk_samples", "topk_resolve_block", "fused_max_keys",
+                     "fused_resolve_block"):
             v = getattr(self, name)
             if v <= 0 or v & (v - 1):
                 raise ValueError(f"{name}: must be a power of two, got {v}")
@@ -111,6 +122,17 @@ class IndexerTopkWorkspace:
         self.logits = torch.empty(
             self.rows if width else 0, self.width, dtype=torch.float32, device=self.device
         )
+        # fused step: per row a 2048-bin histogram, barrier counters and candidates; one stall flag
+        fused = bool(width) and self.rows <= config.fused_max_rows
+        fr = self.rows if fused else 0
+        parts = self.num_sms * config.fused_ctas_per_sm
+        self.fused_hist = torch.zeros(fr * 2048, **i32)
+        self.fused_sync = torch.zeros(fr * 4, **i32)
+        self.fused_cnt = torch.zeros(fr * parts * 2, **i32)
+        self.fused_cand_key = torch.zeros(fr, self.width if fused else 0, **i32)
+        self.fused_cand_pos = torch.zeros(fr, self.width if fused else 0, **i32)
+        self.fused_stall = torch.zeros(1, **i32)
+        self._fused_stash: torch.Tensor | None = None
 
     @property
     def topk_block(self) -> int:
@@ -128,6 +150,21 @@ class IndexerTopkWorkspace:
     def score_splits(self, rows: int) -> int:
         """Programs per row of the scorer, from the static row count."""
         return max(1, self.num_sms * self.config.score_ctas_per_sm // max(rows, 1))
+
+    def fused_plan(self, rows: int, page: int) -> tuple[int, int] | None:
+        """``(parts per row, tiles per part)`` of the fused step for ``rows`` rows, or ``None``."""
+        from .triton_fused import fused_plan
+
+        if not self.fused_hist.numel() or rows > self.config.fused_max_rows:
+            return None
+        return fused_plan(rows, self.width, page, self.num_sms, self.config.fused_ctas_per_sm,
+                          self.config.fused_max_keys)
+
+    def fused_stash(self, numel: int) -> torch.Tensor:
+        """Keys between the interpreter's fused phases (never used on the GPU route)."""
+        if self._fused_stash is None or self._fused_stash.numel() < numel:
+            self._fused_stash = torch.zeros(numel, dtype=torch.int32, device=self.device)
+        return self._fused_stash
 
     def check(self, rows: int, k: int, width: int = 0) -> None:
         if rows > self.rows:
