@@ -286,7 +286,7 @@ def test_capture_write_index_k_cache():
                 dict(topk_algo="sample", topk_cap=4096, topk_samples=512, topk_resolve_block=1024,
                      topk_resolve_warps=4), dict(topk_algo="sample", topk_sample_above=2048),
                 dict(fused_max_rows=8), dict(fused_max_rows=8, precise=0),
-                dict(fused_max_rows=8, fused_warps=4, fused_stages=2, fused_resolve_block=512)]
+                dict(fused_max_rows=8, fused_warps=8, fused_stages=2, fused_ctas_per_sm=2)]
 )
 def test_config_variants(variant):
     """Other fixed configurations: fp8 tensor-core dot (looser scores), Triton pipeliner, tiles."""

@@ -55,8 +55,7 @@ pytestmark = [
 SMALL_SAMPLE = KernelConfig(topk_algo="sample", topk_cap=128, topk_sample_above=128, topk_samples=64,
                             topk_block=64, topk_resolve_block=64, fused_max_rows=0)
 ALGOS = {"radix": KernelConfig(topk_algo="radix", fused_max_rows=0), "sample": SMALL_SAMPLE}
-# the fused step, its one-program resolve shrunk so candidates span several iterations
-FUSED = KernelConfig(fused_resolve_block=64)
+FUSED = KernelConfig()  # the fused step (the default for <= 8 rows)
 
 
 def test_auto_algorithm_follows_the_static_row_count():
@@ -277,7 +276,7 @@ def _fused_step(case, k, width, active=None, cfg=FUSED, num_sms=16):
 
 
 def test_fused_step_random_lengths_match_reference(gen):
-    # lengths from 0 past several parts; k small so most rows select; 1 SM-slot per part
+    # lengths from 0 past several parts; k small so most rows select
     k = int(torch.randint(8, 64, (1,), generator=gen))
     lens = torch.randint(0, 700, (4,), generator=gen).tolist() + [k, k + 1, 640]
     case = make_case(lens, heads=16, table_pages=12, seed=int(torch.randint(0, 2**31, (1,), generator=gen)))
@@ -287,8 +286,8 @@ def test_fused_step_random_lengths_match_reference(gen):
         assert set(got[r].tolist()) == set(want[r].tolist()), f"row {r} (len {n})"
 
 
-def test_fused_step_heavy_ties_resolve_over_many_candidates():
-    # scores from {-x, 0, x}: the k-th key's bin holds hundreds of candidates (resolve block 64)
+def test_fused_step_heavy_ties():
+    # scores from {-x, 0, x}: hundreds of ties at the k-th key, spread over every part
     k = 40
     case = make_case([700, 450, 41, 768], heads=16, table_pages=12, ties=True, seed=12)
     _fused_step(case, k, 12 * 64)
@@ -307,9 +306,10 @@ def test_fused_step_one_part_per_row_and_bound_far_above():
     # 4 slots for 4 rows: each row is one program holding every tile; the host width is 8x the rows
     k = 32
     case = make_case([0, 33, 128, 500], heads=32, table_pages=64, seed=14)
-    _, ws = _fused_step(case, k, 64 * 64, num_sms=4)
+    one = KernelConfig(fused_ctas_per_sm=1)
+    _, ws = _fused_step(case, k, 64 * 64, cfg=one, num_sms=4)
     assert ws.fused_plan(4, 64) == (1, 64)
-    _fused_step(case, k, 64 * 64, active=torch.tensor([130], dtype=torch.int32), num_sms=4)
+    _fused_step(case, k, 64 * 64, active=torch.tensor([130], dtype=torch.int32), cfg=one, num_sms=4)
 
 
 def test_fused_plan_comes_from_static_capacities():
@@ -320,7 +320,8 @@ def test_fused_plan_comes_from_static_capacities():
     assert fused_plan(8, 131072, 64, 132, 1, 16384) == (16, 128)
     assert fused_plan(8, 262144, 64, 132, 1, 16384) == (16, 256)  # 16384 keys per part: the most
     assert fused_plan(8, 262145, 64, 132, 1, 16384) is None  # 512 tiles of keys per part: too many
-    assert fused_plan(8, 131073, 64, 132, 1, 8192) is None  # the default most keys per part
+    assert fused_plan(8, 131072, 64, 132, 4, 4096) == (64, 32)  # the default: 4 programs per SM
+    assert fused_plan(1, 131072, 64, 132, 4, 4096) == (512, 4)
     assert fused_plan(200, 4096, 64, 132, 1, 16384) is None  # more rows than resident programs
     assert fused_plan(2, 0, 64, 132, 1, 16384) is None
     for rows, width in [(1, 4096), (3, 100000), (8, 8192), (5, 64)]:

@@ -156,6 +156,24 @@ def topk_indices(
     return out
 
 
+def _fused_step(q_fp8, weights, k_cache, block_table, row_lens, active, out, ws, k, page, width) -> bool:
+    """Run the fused step when the workspace plans one; False when the call takes the unfused route.
+
+    A cooperative launch the device refuses (its programs would not all be resident) lowers the
+    workspace's programs per SM and tries again, so the first (warm-up) call settles the plan.
+    """
+    while (plan := ws.fused_plan(out.shape[0], page)) is not None:
+        try:
+            launch_fused_step(q_fp8, weights, k_cache, block_table, row_lens, active, out, ws,
+                              k=k, page=page, sel_width=width, plan=plan)
+            return True
+        except RuntimeError as exc:
+            if ws.fused_ctas_per_sm == 1 or "cooperative" not in str(exc).lower():
+                raise
+            ws.fused_ctas_per_sm //= 2
+    return False
+
+
 def indexer_topk(
     q_fp8: torch.Tensor,
     weights: torch.Tensor,
@@ -189,10 +207,7 @@ def indexer_topk(
     if rows == 0:
         return out
     ws = _workspace(workspace, rows, k, width, q_fp8.device)
-    plan = ws.fused_plan(rows, page)
-    if plan is not None:
-        launch_fused_step(q_fp8, weights, k_cache, block_table, row_lens, active_width, out, ws,
-                          k=k, page=page, sel_width=width, plan=plan)
+    if _fused_step(q_fp8, weights, k_cache, block_table, row_lens, active_width, out, ws, k, page, width):
         return out
     logits = ws.logits
     launch_score(

@@ -49,11 +49,10 @@ class KernelConfig:
     topk_resolve_warps: int = 8
     # fused step (score and select in one launch) for calls of at most fused_max_rows rows (0: never)
     fused_max_rows: int = 8
-    fused_ctas_per_sm: int = 1  # every program must be resident at once (device-side barriers)
-    fused_max_keys: int = 8192  # most keys a program holds in registers (else the unfused route)
-    fused_stages: int = 4
-    fused_warps: int = 8  # 8 warps hold 8192 keys per program without spills (ptxas, sm_90a)
-    fused_resolve_block: int = 2048  # candidates per iteration of the one-program resolve
+    fused_ctas_per_sm: int = 4  # programs per SM; all resident at once (cooperative launch)
+    fused_max_keys: int = 4096  # most keys a program holds in registers (else the unfused route)
+    fused_stages: int = 6
+    fused_warps: int = 4
 
     def __post_init__(self) -> None:
         if self.topk_algo not in ("radix", "sample", "auto"):
@@ -64,8 +63,7 @@ class KernelConfig:
         if self.fused_max_rows < 0 or self.fused_ctas_per_sm <= 0:
             raise ValueError(f"fused_max_rows >= 0, fused_ctas_per_sm > 0: got {self.fused_max_rows}, "
                              f"{self.fused_ctas_per_sm}")
-        for name in ("score_tile", "topk_block", "topk_samples", "topk_resolve_block", "fused_max_keys",
-                     "fused_resolve_block"):
+        for name in ("score_tile", "topk_block", "topk_samples", "topk_resolve_block", "fused_max_keys"):
             v = getattr(self, name)
             if v <= 0 or v & (v - 1):
                 raise ValueError(f"{name}: must be a power of two, got {v}")
@@ -122,16 +120,14 @@ class IndexerTopkWorkspace:
         self.logits = torch.empty(
             self.rows if width else 0, self.width, dtype=torch.float32, device=self.device
         )
-        # fused step: per row a 2048-bin histogram, barrier counters and candidates; one stall flag
+        # fused step: per row four 256-bin histograms, barrier counters, per program two counts
         fused = bool(width) and self.rows <= config.fused_max_rows
         fr = self.rows if fused else 0
-        parts = self.num_sms * config.fused_ctas_per_sm
-        self.fused_hist = torch.zeros(fr * 2048, **i32)
-        self.fused_sync = torch.zeros(fr * 4, **i32)
-        self.fused_cnt = torch.zeros(fr * parts * 2, **i32)
-        self.fused_cand_key = torch.zeros(fr, self.width if fused else 0, **i32)
-        self.fused_cand_pos = torch.zeros(fr, self.width if fused else 0, **i32)
+        self.fused_hist = torch.zeros(fr * 1024, **i32)
+        self.fused_sync = torch.zeros(fr * 8, **i32)
+        self.fused_cnt = torch.zeros(fr * self.num_sms * config.fused_ctas_per_sm * 2, **i32)
         self.fused_stall = torch.zeros(1, **i32)
+        self.fused_ctas_per_sm = config.fused_ctas_per_sm  # lowered if a cooperative launch is refused
         self._fused_stash: torch.Tensor | None = None
 
     @property
@@ -157,7 +153,7 @@ class IndexerTopkWorkspace:
 
         if not self.fused_hist.numel() or rows > self.config.fused_max_rows:
             return None
-        return fused_plan(rows, self.width, page, self.num_sms, self.config.fused_ctas_per_sm,
+        return fused_plan(rows, self.width, page, self.num_sms, self.fused_ctas_per_sm,
                           self.config.fused_max_keys)
 
     def fused_stash(self, numel: int) -> torch.Tensor:
