@@ -2,8 +2,8 @@
 
     python benchmarks/fused_profile.py [--shapes 1x4096,8x65536] [--config fused_warps=4,...]
 
-Stops (outputs invalid, for timing only): 1 scoring, 2 + row histogram, 3 + first barrier and
-counts, 4 + second barrier; full = emit and resolve too. Prints one JSON line per shape.
+Stops (outputs invalid, for timing only): 1 scoring, 2 + the four radix passes and their
+barriers; full = counts, the last barrier and the writes too. Prints one JSON line per shape.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def profile_shape(B: int, L: int, config) -> dict:
     plan = ws.fused_plan(B, PAGE)
     out = torch.empty(B, TOPK, dtype=torch.int32, device=DEV)
     res = dict(B=B, L=L, plan=plan)
-    for stop in (1, 2, 3, 4, 0):
+    for stop in (1, 2, 0):
         res[f"stop{stop}_us" if stop else "full_us"] = timeit(
             lambda i, s=stop: lambda: launch_fused_step(
                 *inp.args(i), None, out, ws, k=TOPK, page=PAGE, sel_width=L, plan=plan, stop=s),
