@@ -55,7 +55,7 @@ pytestmark = [
 SMALL_SAMPLE = KernelConfig(topk_algo="sample", topk_cap=128, topk_sample_above=128, topk_samples=64,
                             topk_block=64, topk_resolve_block=64, fused_max_rows=0)
 ALGOS = {"radix": KernelConfig(topk_algo="radix", fused_max_rows=0), "sample": SMALL_SAMPLE}
-FUSED = KernelConfig()  # the fused step (the default for <= 8 rows)
+FUSED = KernelConfig(fused_resolve_block=64)  # the fused step; candidates over several iterations
 
 
 def test_auto_algorithm_follows_the_static_row_count():

@@ -1,22 +1,24 @@
 """Fused decode indexer step for small row counts: score and select in one launch.
 
 Grid ``(rows, parts)``, launched cooperatively (every program resident at once, or the launch
-fails and a smaller plan is taken at warm-up); ``parts`` comes from the static row count, the
-SM count and the logits capacity. Program ``(r, p)`` scores tiles ``p, p + parts, ...`` of row
-``r`` up to the row's device length and keeps their sortable keys in registers: scores never
-go to global memory. The row's programs then find the k-th largest key by four 8-bit radix
-passes: each adds its 256-bin histogram of the keys matching the prefix so far to the row's
-histogram and meets the others at a device-side barrier (an atomic counter, then a spin on a
-volatile load), after which every program reads the same digit. A fifth barrier publishes each
-program's count above the k-th key and equal to it; every program then writes its positions
-straight to the output: those above the k-th key at the prefix of the programs before it, then
-the ties, lowest (program, tile, lane) first. The row's last program (atomic ticket) zeroes the
+fails and the warm-up call takes fewer programs per SM); ``parts`` comes from the static row
+count, the SM count and the logits capacity. Program ``(r, p)`` scores tiles ``p, p + parts,
+...`` of row ``r`` up to the row's device length and keeps their sortable keys in registers:
+scores never go to global memory. The row's programs then run two 8-bit radix passes (key
+bits 31..16): each adds its 256-bin histogram of the keys matching the prefix so far to the
+row's histogram and meets the others at a device-side barrier (an atomic counter, then a spin
+on a volatile load), after which every program reads the same digit. A third barrier
+publishes each program's counts above the 16-bit prefix of the k-th key and in it; every
+program then writes its positions above straight to the output (after those of the programs
+before it) and its keys in the prefix to the row's candidate buffer. The row's last program
+(atomic ticket) selects among the candidates by passes 2 and 3, writes them, and zeroes the
 row's histograms and counters for the next call (and graph replay). Output order is
-deterministic. Rows of length ``<= k`` get ``0..n-1`` then ``-1``.
+deterministic: keys above the prefix by (program, tile, lane), then the candidates above the
+k-th key, then its ties. Rows of length ``<= k`` get ``0..n-1`` then ``-1``.
 
 A barrier that has waited ``SPIN_LIMIT`` polls gives up and raises the workspace's stall flag.
 Under ``TRITON_INTERPRET`` the programs run one after another and cannot wait for each other:
-the same kernel then runs as six launches (``PHASE`` 1..6), the barriers falling between them
+the same kernel then runs as four launches (``PHASE`` 1..4), the barriers falling between them
 and the keys kept in a scratch buffer.
 """
 
@@ -68,17 +70,51 @@ def _row_state(hist_row, K: tl.constexpr, PASSES: tl.constexpr):
     return prefix, need
 
 
+@triton.jit
+def _resolve(ckey_row, cpos_row, n_cand, prefix, need, out_base, RBLK: tl.constexpr):
+    """Write the ``need`` largest of ``n_cand`` candidates (keys sharing the 16-bit ``prefix``).
+
+    Radix passes 2 and 3 over the candidates (``RBLK`` per iteration), then the positions: keys
+    above the k-th first, then its ties, both in candidate order.
+    """
+    lane = tl.arange(0, RBLK)
+    for ps in tl.static_range(2, 4):
+        h = tl.zeros([256], dtype=tl.int32)
+        for t in range(0, n_cand, RBLK):
+            m = t + lane < n_cand
+            kk = tl.load(ckey_row + t + lane, mask=m, other=0, cache_modifier=".cg")
+            h += radix_hist(kk, m, prefix, ps)
+        d, ties = pick_digit(h, need if ps == 2 else ties)
+        prefix = next_prefix(prefix, d, ps)
+    n_gt = need - ties
+    base_gt = 0
+    base_eq = 0
+    for t in range(0, n_cand, RBLK):
+        m = t + lane < n_cand
+        kk = tl.load(ckey_row + t + lane, mask=m, other=0, cache_modifier=".cg")
+        pos = tl.load(cpos_row + t + lane, mask=m, other=0, cache_modifier=".cg")
+        g = (m & (kk > prefix)).to(tl.int32)
+        tl.store(out_base + base_gt + tl.cumsum(g, 0) - g, pos, mask=g != 0)
+        base_gt += tl.sum(g, 0)
+        e = (m & (kk == prefix)).to(tl.int32)
+        rank = base_eq + tl.cumsum(e, 0) - e
+        tl.store(out_base + n_gt + rank, pos, mask=(e != 0) & (rank < ties))
+        base_eq += tl.sum(e, 0)
+
+
 @triton.jit(do_not_specialize=["num_pages", "sel_width", "live_width"])
 def fused_step_kernel(
     q_ptr, w_ptr, kc_ptr, ks_ptr, bt_ptr, bt_stride, lens_ptr, active_ptr, out_ptr, out_stride,
-    hist_ptr, sync_ptr, cnt_ptr, stash_ptr, stall_ptr, num_pages, page_stride, sel_width, live_width,
+    hist_ptr, sync_ptr, cnt_ptr, ckey_ptr, cpos_ptr, cand_stride, stash_ptr, stall_ptr,
+    num_pages, page_stride, sel_width, live_width,
     K: tl.constexpr, H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, NSUB: tl.constexpr,
     PARTS_P2: tl.constexpr, HAS_ACTIVE: tl.constexpr, PRECISE: tl.constexpr,
-    NUM_STAGES: tl.constexpr, PHASE: tl.constexpr, SPIN: tl.constexpr, STOP: tl.constexpr = 0,
+    NUM_STAGES: tl.constexpr, PHASE: tl.constexpr, SPIN: tl.constexpr, RBLK: tl.constexpr,
+    STOP: tl.constexpr = 0,
 ):
-    """One row part's share of the fused step (``PHASE`` 0: all of it; 1..6: interpreter phases).
+    """One row part's share of the fused step (``PHASE`` 0: all of it; 1..4: interpreter phases).
 
-    ``STOP`` (profiling only, output invalid): 1 ends after scoring, 2 after the four passes.
+    ``STOP`` (profiling only, output invalid): 1 ends after scoring, 2 after the two passes.
     """
     row = tl.program_id(0)
     p = tl.program_id(1)
@@ -93,7 +129,7 @@ def fused_step_kernel(
             o = j + tl.arange(0, 1024)
             tl.store(out_row + o, tl.where(o < n, o, -1), mask=(o < K) & lanes_where(short, o))
     if p < live_parts:
-        hist_row = hist_ptr + row * 1024
+        hist_row = hist_ptr + row * 512
         sync_row = sync_ptr + row * 8
         bins = tl.arange(0, 256)
         jj = tl.arange(0, NSUB)
@@ -121,7 +157,8 @@ def fused_step_kernel(
         if STOP == 1:  # profiling only: keep the keys alive, skip the selection
             tl.store(out_row + p, tl.sum(tl.where(valid, keys, 0), 0), mask=p < K)
         else:
-            for ps in tl.static_range(4):
+            # radix passes 0 and 1 (key bits 31..16) over every part, a row barrier after each
+            for ps in tl.static_range(2):
                 if PHASE == 0 or PHASE == ps + 1:
                     prefix, need = _row_state(hist_row, K, ps)
                     h = radix_hist(keys, valid, prefix, ps)
@@ -129,30 +166,36 @@ def fused_step_kernel(
                 if PHASE == 0:
                     _arrive_and_wait(sync_row + ps, live_parts, stall_ptr, SPIN)
             if STOP == 0:
-                kth, ties = _row_state(hist_row, K, 4)
-                gt = (valid & (keys > kth)).to(tl.int32)
-                eq = (valid & (keys == kth)).to(tl.int32)
+                prefix, need = _row_state(hist_row, K, 2)
+                hi = keys >> 16
+                gt = (valid & (hi > prefix)).to(tl.int32)
+                eq = (valid & (hi == prefix)).to(tl.int32)
                 cnt_row = cnt_ptr + row * parts * 2
-                if PHASE == 0 or PHASE == 5:
+                if PHASE == 0 or PHASE == 3:
                     tl.store(cnt_row + p * 2, tl.sum(gt, 0))
                     tl.store(cnt_row + p * 2 + 1, tl.sum(eq, 0))
                 if PHASE == 0:
-                    _arrive_and_wait(sync_row + 4, live_parts, stall_ptr, SPIN)
-                if PHASE == 0 or PHASE == 6:
+                    _arrive_and_wait(sync_row + 2, live_parts, stall_ptr, SPIN)
+                if PHASE == 0 or PHASE == 4:
+                    # keys above the 16-bit prefix go straight out; those in it become candidates
                     cc = tl.arange(0, PARTS_P2)
-                    before = cc < p
-                    gt_c = tl.load(cnt_row + cc * 2, mask=before, other=0, cache_modifier=".cg")
-                    eq_c = tl.load(cnt_row + cc * 2 + 1, mask=before, other=0, cache_modifier=".cg")
-                    gt_before = tl.sum(gt_c, 0)
-                    eq_before = tl.sum(eq_c, 0)
-                    slot = gt_before + tl.cumsum(gt, 0) - gt
+                    in_c = cc < live_parts
+                    gt_c = tl.load(cnt_row + cc * 2, mask=in_c, other=0, cache_modifier=".cg")
+                    eq_c = tl.load(cnt_row + cc * 2 + 1, mask=in_c, other=0, cache_modifier=".cg")
+                    slot = tl.sum(tl.where(cc < p, gt_c, 0), 0) + tl.cumsum(gt, 0) - gt
                     tl.store(out_row + slot, pos, mask=gt != 0)
-                    rank = eq_before + tl.cumsum(eq, 0) - eq
-                    tl.store(out_row + (K - ties) + rank, pos, mask=(eq != 0) & (rank < ties))
-        if PHASE == 0 or PHASE == 6:
-            # the row's last program resets its histograms and counters
+                    slot = tl.sum(tl.where(cc < p, eq_c, 0), 0) + tl.cumsum(eq, 0) - eq
+                    ckey_row = ckey_ptr + row.to(tl.int64) * cand_stride
+                    cpos_row = cpos_ptr + row.to(tl.int64) * cand_stride
+                    tl.store(ckey_row + slot, keys, mask=eq != 0)
+                    tl.store(cpos_row + slot, pos, mask=eq != 0)
+        if PHASE == 0 or PHASE == 4:
+            # the row's last program resolves the candidates, then resets the row's state
             if tl.atomic_add(sync_row + 7, 1, sem="acq_rel") == live_parts - 1:
-                tl.store(hist_row + tl.arange(0, 1024), tl.zeros([1024], dtype=tl.int32))
+                if STOP == 0:
+                    n_cand = tl.sum(eq_c, 0)
+                    _resolve(ckey_row, cpos_row, n_cand, prefix, need, out_row + (K - need), RBLK)
+                tl.store(hist_row + tl.arange(0, 512), tl.zeros([512], dtype=tl.int32))
                 tl.store(sync_row + tl.arange(0, 8), tl.zeros([8], dtype=tl.int32))
 
 
@@ -195,23 +238,25 @@ def launch_fused_step(q_fp8, weights, k_cache, block_table, row_lens, active, ou
                       sel_width, plan, stop: int = 0) -> None:
     """Launch the fused step over ``out``'s rows with ``ws``'s fused buffers.
 
-    ``stop`` (profiling only, output invalid): 1 ends after scoring, 2 after the four passes.
+    ``stop`` (profiling only, output invalid): 1 ends after scoring, 2 after the two passes.
     """
     rows, heads, head_dim = q_fp8.shape
     parts, nsub = plan
     has_active = active is not None
     cfg = ws.config
     interp = interpreting()
-    phases = (1, 2, 3, 4, 5, 6) if interp else (0,)
+    phases = (1, 2, 3, 4) if interp else (0,)
     stash = ws.fused_stash(rows * parts * nsub * page) if interp else ws.fused_hist
     extra = {} if interp else _launch_kwargs(ws.fused_ctas_per_sm, cfg.fused_warps)
     for phase in phases:
         fused_step_kernel[(rows, parts)](
             q_fp8.view(torch.uint8), weights, k_cache, k_cache.view(torch.float32), block_table,
             block_table.stride(0), row_lens, active if has_active else row_lens, out, out.stride(0),
-            ws.fused_hist, ws.fused_sync, ws.fused_cnt, stash, ws.fused_stall,
+            ws.fused_hist, ws.fused_sync, ws.fused_cnt, ws.fused_cand_key, ws.fused_cand_pos,
+            ws.fused_cand_key.stride(0), stash, ws.fused_stall,
             k_cache.shape[0], k_cache.stride(0), sel_width, block_table.shape[1] * page,
             K=k, H=heads, D=head_dim, PAGE=page, NSUB=nsub, PARTS_P2=triton.next_power_of_2(parts),
             HAS_ACTIVE=has_active, PRECISE=bool(cfg.precise), NUM_STAGES=cfg.fused_stages,
-            PHASE=phase, SPIN=SPIN_LIMIT, STOP=stop, num_warps=cfg.fused_warps, **extra,
+            PHASE=phase, SPIN=SPIN_LIMIT, RBLK=cfg.fused_resolve_block, STOP=stop,
+            num_warps=cfg.fused_warps, **extra,
         )

@@ -53,6 +53,7 @@ class KernelConfig:
     fused_max_keys: int = 4096  # most keys a program holds in registers (else the unfused route)
     fused_stages: int = 6
     fused_warps: int = 4
+    fused_resolve_block: int = 1024  # candidates per iteration of the row's one-program resolve
 
     def __post_init__(self) -> None:
         if self.topk_algo not in ("radix", "sample", "auto"):
@@ -63,7 +64,8 @@ class KernelConfig:
         if self.fused_max_rows < 0 or self.fused_ctas_per_sm <= 0:
             raise ValueError(f"fused_max_rows >= 0, fused_ctas_per_sm > 0: got {self.fused_max_rows}, "
                              f"{self.fused_ctas_per_sm}")
-        for name in ("score_tile", "topk_block", "topk_samples", "topk_resolve_block", "fused_max_keys"):
+        for name in ("score_tile", "topk_block", "topk_samples", "topk_resolve_block", "fused_max_keys",
+                     "fused_resolve_block"):
             v = getattr(self, name)
             if v <= 0 or v & (v - 1):
                 raise ValueError(f"{name}: must be a power of two, got {v}")
@@ -120,10 +122,13 @@ class IndexerTopkWorkspace:
         self.logits = torch.empty(
             self.rows if width else 0, self.width, dtype=torch.float32, device=self.device
         )
-        # fused step: per row four 256-bin histograms, barrier counters, per program two counts
+        # fused step: per row two 256-bin histograms, barrier counters, candidates; per program two
+        # counts
         fused = bool(width) and self.rows <= config.fused_max_rows
         fr = self.rows if fused else 0
-        self.fused_hist = torch.zeros(fr * 1024, **i32)
+        self.fused_hist = torch.zeros(fr * 512, **i32)
+        self.fused_cand_key = torch.zeros(fr, self.width if fused else 0, **i32)
+        self.fused_cand_pos = torch.zeros(fr, self.width if fused else 0, **i32)
         self.fused_sync = torch.zeros(fr * 8, **i32)
         self.fused_cnt = torch.zeros(fr * self.num_sms * config.fused_ctas_per_sm * 2, **i32)
         self.fused_stall = torch.zeros(1, **i32)
