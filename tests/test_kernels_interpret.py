@@ -320,8 +320,9 @@ def test_fused_plan_comes_from_static_capacities():
     assert fused_plan(8, 131072, 64, 132, 1, 16384) == (16, 128)
     assert fused_plan(8, 262144, 64, 132, 1, 16384) == (16, 256)  # 16384 keys per part: the most
     assert fused_plan(8, 262145, 64, 132, 1, 16384) is None  # 512 tiles of keys per part: too many
-    assert fused_plan(8, 131072, 64, 132, 4, 4096) == (64, 32)  # the default: 4 programs per SM
-    assert fused_plan(1, 131072, 64, 132, 4, 4096) == (512, 4)
+    assert fused_plan(8, 131072, 64, 132, 2, 4096) == (32, 64)  # the default: 2 programs per SM
+    assert fused_plan(1, 131072, 64, 132, 2, 4096) == (128, 16)  # at most 128 programs per row
+    assert fused_plan(1, 131072, 64, 132, 4, 4096, max_parts=512) == (512, 4)
     assert fused_plan(200, 4096, 64, 132, 1, 16384) is None  # more rows than resident programs
     assert fused_plan(2, 0, 64, 132, 1, 16384) is None
     for rows, width in [(1, 4096), (3, 100000), (8, 8192), (5, 64)]:

@@ -78,13 +78,14 @@ def _resolve(ckey_row, cpos_row, n_cand, prefix, need, out_base, RBLK: tl.conste
     above the k-th first, then its ties, both in candidate order.
     """
     lane = tl.arange(0, RBLK)
+    ties = need
     for ps in tl.static_range(2, 4):
         h = tl.zeros([256], dtype=tl.int32)
         for t in range(0, n_cand, RBLK):
             m = t + lane < n_cand
             kk = tl.load(ckey_row + t + lane, mask=m, other=0, cache_modifier=".cg")
             h += radix_hist(kk, m, prefix, ps)
-        d, ties = pick_digit(h, need if ps == 2 else ties)
+        d, ties = pick_digit(h, ties)
         prefix = next_prefix(prefix, d, ps)
     n_gt = need - ties
     base_gt = 0
@@ -199,7 +200,8 @@ def fused_step_kernel(
                 tl.store(sync_row + tl.arange(0, 8), tl.zeros([8], dtype=tl.int32))
 
 
-def fused_plan(rows: int, width: int, page: int, num_sms: int, ctas_per_sm: int, max_keys: int):
+def fused_plan(rows: int, width: int, page: int, num_sms: int, ctas_per_sm: int, max_keys: int,
+               max_parts: int = 128):
     """``(parts, tiles per part)`` of the fused step for a static shape, or ``None`` when it does not fit."""
     if rows <= 0 or width <= 0 or page <= 0 or page & (page - 1):
         return None
@@ -207,7 +209,7 @@ def fused_plan(rows: int, width: int, page: int, num_sms: int, ctas_per_sm: int,
     if rows > slots:
         return None
     tiles = triton.cdiv(width, page)
-    nsub = triton.next_power_of_2(triton.cdiv(tiles, max(1, slots // rows)))
+    nsub = triton.next_power_of_2(triton.cdiv(tiles, max(1, min(max_parts, slots // rows))))
     if nsub * page > max_keys:
         return None
     return triton.cdiv(tiles, nsub), nsub

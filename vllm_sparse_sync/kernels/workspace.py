@@ -49,7 +49,8 @@ class KernelConfig:
     topk_resolve_warps: int = 8
     # fused step (score and select in one launch) for calls of at most fused_max_rows rows (0: never)
     fused_max_rows: int = 8
-    fused_ctas_per_sm: int = 4  # programs per SM; all resident at once (cooperative launch)
+    fused_ctas_per_sm: int = 2  # programs per SM; all resident at once (cooperative launch)
+    fused_max_parts: int = 128  # programs per row (H200 run 13: more make each row barrier slower)
     fused_max_keys: int = 4096  # most keys a program holds in registers (else the unfused route)
     fused_stages: int = 6
     fused_warps: int = 4
@@ -61,7 +62,7 @@ class KernelConfig:
         if self.topk_cap <= 0 or self.topk_sample_above < 0:
             raise ValueError(f"topk_cap > 0, topk_sample_above >= 0: got {self.topk_cap}, "
                              f"{self.topk_sample_above}")
-        if self.fused_max_rows < 0 or self.fused_ctas_per_sm <= 0:
+        if self.fused_max_rows < 0 or self.fused_ctas_per_sm <= 0 or self.fused_max_parts <= 0:
             raise ValueError(f"fused_max_rows >= 0, fused_ctas_per_sm > 0: got {self.fused_max_rows}, "
                              f"{self.fused_ctas_per_sm}")
         for name in ("score_tile", "topk_block", "topk_samples", "topk_resolve_block", "fused_max_keys",
@@ -159,7 +160,7 @@ class IndexerTopkWorkspace:
         if not self.fused_hist.numel() or rows > self.config.fused_max_rows:
             return None
         return fused_plan(rows, self.width, page, self.num_sms, self.fused_ctas_per_sm,
-                          self.config.fused_max_keys)
+                          self.config.fused_max_keys, self.config.fused_max_parts)
 
     def fused_stash(self, numel: int) -> torch.Tensor:
         """Keys between the interpreter's fused phases (never used on the GPU route)."""
