@@ -34,7 +34,7 @@ TOPK_CFG = {"radix": dict(topk_algo="radix", fused_max_rows=0),
             "sample": dict(topk_algo="sample", fused_max_rows=0),
             "sample_small": dict(topk_algo="sample", topk_cap=2048, topk_sample_above=2048, topk_samples=512,
                                  fused_max_rows=0),
-            "fused": dict()}
+            "fused": dict(fused_max_keys=4096)}  # fused up to 8 rows of a 128K capacity
 
 
 def _ws(rows, k, width=0, algo="radix"):
