@@ -306,7 +306,7 @@ def test_fused_step_one_part_per_row_and_bound_far_above():
     # 4 slots for 4 rows: each row is one program holding every tile; the host width is 8x the rows
     k = 32
     case = make_case([0, 33, 128, 500], heads=32, table_pages=64, seed=14)
-    one = KernelConfig(fused_ctas_per_sm=1)
+    one = KernelConfig(fused_ctas_per_sm=1, fused_max_keys=4096, fused_resolve_block=64)
     _, ws = _fused_step(case, k, 64 * 64, cfg=one, num_sms=4)
     assert ws.fused_plan(4, 64) == (1, 64)
     _fused_step(case, k, 64 * 64, active=torch.tensor([130], dtype=torch.int32), cfg=one, num_sms=4)
