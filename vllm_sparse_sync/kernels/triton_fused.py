@@ -40,8 +40,7 @@ from .triton_common import (
 )
 from .triton_scorer import load_query, page_keys, tile_scores
 
-SPIN_LIMIT = 1 << 22
-SYNC_SLOTS = 8  # per row: five barrier counters, one ticket
+SPIN_LIMIT = 1 << 22  # polls before a row barrier gives up (raises the stall flag)
 
 
 @triton.jit
@@ -131,7 +130,7 @@ def fused_step_kernel(
             tl.store(out_row + o, tl.where(o < n, o, -1), mask=(o < K) & lanes_where(short, o))
     if p < live_parts:
         hist_row = hist_ptr + row * 512
-        sync_row = sync_ptr + row * 8
+        sync_row = sync_ptr + row * 8  # per row: barriers 0, 1 (passes), 2 (counts); 7: ticket
         bins = tl.arange(0, 256)
         jj = tl.arange(0, NSUB)
         lane = tl.arange(0, PAGE)
