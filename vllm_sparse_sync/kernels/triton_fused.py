@@ -24,21 +24,16 @@ and the keys kept in a scratch buffer.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
 import triton
 import triton.language as tl
 
-from .triton_common import (
-    lanes_where,
-    live_length,
-    next_prefix,
-    pick_digit,
-    radix_hist,
-    sortable_key,
-)
+from .triton_common import lanes_where, live_length, next_prefix, pick_digit, radix_hist, sortable_key
 from .triton_scorer import load_query, page_keys, tile_scores
+from .triton_topk_sample import select_emit
 
 SPIN_LIMIT = 1 << 22  # polls before a row barrier gives up (raises the stall flag)
 
@@ -67,39 +62,6 @@ def _row_state(hist_row, K: tl.constexpr, PASSES: tl.constexpr):
         d, need = pick_digit(h, need)
         prefix = next_prefix(prefix, d, ps)
     return prefix, need
-
-
-@triton.jit
-def _resolve(ckey_row, cpos_row, n_cand, prefix, need, out_base, RBLK: tl.constexpr):
-    """Write the ``need`` largest of ``n_cand`` candidates (keys sharing the 16-bit ``prefix``).
-
-    Radix passes 2 and 3 over the candidates (``RBLK`` per iteration), then the positions: keys
-    above the k-th first, then its ties, both in candidate order.
-    """
-    lane = tl.arange(0, RBLK)
-    ties = need
-    for ps in tl.static_range(2, 4):
-        h = tl.zeros([256], dtype=tl.int32)
-        for t in range(0, n_cand, RBLK):
-            m = t + lane < n_cand
-            kk = tl.load(ckey_row + t + lane, mask=m, other=0, cache_modifier=".cg")
-            h += radix_hist(kk, m, prefix, ps)
-        d, ties = pick_digit(h, ties)
-        prefix = next_prefix(prefix, d, ps)
-    n_gt = need - ties
-    base_gt = 0
-    base_eq = 0
-    for t in range(0, n_cand, RBLK):
-        m = t + lane < n_cand
-        kk = tl.load(ckey_row + t + lane, mask=m, other=0, cache_modifier=".cg")
-        pos = tl.load(cpos_row + t + lane, mask=m, other=0, cache_modifier=".cg")
-        g = (m & (kk > prefix)).to(tl.int32)
-        tl.store(out_base + base_gt + tl.cumsum(g, 0) - g, pos, mask=g != 0)
-        base_gt += tl.sum(g, 0)
-        e = (m & (kk == prefix)).to(tl.int32)
-        rank = base_eq + tl.cumsum(e, 0) - e
-        tl.store(out_base + n_gt + rank, pos, mask=(e != 0) & (rank < ties))
-        base_eq += tl.sum(e, 0)
 
 
 @triton.jit(do_not_specialize=["num_pages", "sel_width", "live_width"])
@@ -194,7 +156,9 @@ def fused_step_kernel(
             if tl.atomic_add(sync_row + 7, 1, sem="acq_rel") == live_parts - 1:
                 if STOP == 0:
                     n_cand = tl.sum(eq_c, 0)
-                    _resolve(ckey_row, cpos_row, n_cand, prefix, need, out_row + (K - need), RBLK)
+                    # passes 2 and 3 over the candidates, then their positions
+                    select_emit(ckey_row, cpos_row, n_cand, out_row + (K - need), prefix, need, 2, RBLK,
+                                False)
                 tl.store(hist_row + tl.arange(0, 512), tl.zeros([512], dtype=tl.int32))
                 tl.store(sync_row + tl.arange(0, 8), tl.zeros([8], dtype=tl.int32))
 
@@ -219,6 +183,7 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+@functools.cache
 def _launch_kwargs(ctas_per_sm: int, warps: int) -> dict:
     """Cooperative launch (all programs resident, or an error) and a register cap that lets
     ``ctas_per_sm`` programs share an SM's 64K registers, where this Triton has the options."""

@@ -119,25 +119,27 @@ def _src_tile(src, src_pos, t, cnt, RB: tl.constexpr, FROM_ROW: tl.constexpr):
         key = sortable_key(tl.load(src + i, mask=valid, other=float("-inf")))
         pos = i
     else:
-        key = tl.load(src + i, mask=valid, other=0)
-        pos = tl.load(src_pos + i, mask=valid, other=-1)
+        # candidates may come from other programs of the same launch: read them from L2
+        key = tl.load(src + i, mask=valid, other=0, cache_modifier=".cg")
+        pos = tl.load(src_pos + i, mask=valid, other=-1, cache_modifier=".cg")
     return key, pos, valid
 
 
 @triton.jit
-def _select_emit(src, src_pos, cnt, out_row, K: tl.constexpr, RB: tl.constexpr, FROM_ROW: tl.constexpr):
-    """Top ``K`` of ``cnt > K`` keys in position order: above the k-th largest, then its ties."""
+def select_emit(src, src_pos, cnt, out_row, prefix, want, FIRST: tl.constexpr, RB: tl.constexpr,
+                FROM_ROW: tl.constexpr):
+    """The ``want`` largest of ``cnt`` keys that share radix ``prefix`` (passes before ``FIRST``),
+    in source order: above the k-th largest, then its ties."""
     n_t = tl.cdiv(cnt, RB)
-    prefix = tl.full((), 0, tl.int32)
-    need = tl.full((), K, tl.int32)
-    for p in tl.static_range(4):
+    need = want
+    for p in tl.static_range(FIRST, 4):
         acc = tl.zeros([256], dtype=tl.int32)
         for t in range(0, n_t):
             key, pos, valid = _src_tile(src, src_pos, t, cnt, RB, FROM_ROW)
             acc += radix_hist(key, valid, prefix, p)
         d, need = pick_digit(acc, need)
         prefix = next_prefix(prefix, d, p)
-    n_above = K - need
+    n_above = want - need
     base_gt = tl.full((), 0, tl.int32)
     base_eq = tl.full((), 0, tl.int32)
     for t in range(0, n_t):
@@ -173,9 +175,9 @@ def resolve_kernel(
             tl.store(out_row + pos, tl.where(pos < n, pos, -1), mask=pos < K)
     elif (n > SMIN) & (c >= K) & (c <= CAP):
         off = row.to(tl.int64) * CAP
-        _select_emit(ckey_ptr + off, cpos_ptr + off, c, out_row, K, RB, False)
+        select_emit(ckey_ptr + off, cpos_ptr + off, c, out_row, 0, K, 0, RB, False)
     else:
-        _select_emit(x_ptr + row.to(tl.int64) * stride_r, x_ptr, n, out_row, K, RB, True)
+        select_emit(x_ptr + row.to(tl.int64) * stride_r, x_ptr, n, out_row, 0, K, 0, RB, True)
 
 
 def launch_sample_topk(x, stride_r, row_lens, active, ws, out, k, sel_width):
