@@ -3,6 +3,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from vllm_sparse_sync.audit import AUDIT_PATHS, AuditRow, format_table, run_audit
 from vllm_sparse_sync.cli import main
@@ -32,6 +33,46 @@ def test_audit_fails_when_a_path_reads_device_data():
     assert "FAIL" in format_table(rows)
 
 
+def test_cpu_stand_ins_never_share_storage_with_their_host_twins():
+    import torch
+
+    from vllm_sparse_sync.audit import _make_case
+
+    for path in AUDIT_PATHS:
+        b = _make_case(path, torch.device("cpu"), torch.Generator().manual_seed(0)).batch
+        host = b.query_start_loc_cpu.untyped_storage().data_ptr()
+        assert b.query_start_loc.untyped_storage().data_ptr() != host
+
+
+PLANTED_READS = {
+    "query_start_loc": lambda batch: batch.query_start_loc.tolist(),
+    "seq_lens": lambda batch: batch.seq_lens.max().item(),
+    "block_table": lambda batch: int(batch.block_table.sum()),
+}
+
+
+@pytest.mark.parametrize("field", sorted(PLANTED_READS))
+def test_audit_flags_an_unconditional_read_planted_in_build(monkeypatch, field):
+    from vllm_sparse_sync.metadata import IndexerMetadataBuilder
+
+    build = IndexerMetadataBuilder.build
+
+    def planted(self, batch):
+        PLANTED_READS[field](batch)
+        return build(self, batch)
+
+    monkeypatch.setattr(IndexerMetadataBuilder, "build", planted)
+    rows = run_audit(AUDIT_PATHS, device=torch.device("cpu"), batches=1)
+    assert all(not r.ok and r.host_reads >= 1 for r in rows), format_table(rows)
+    assert all("test_audit.py" in r.detail and field in r.detail for r in rows), format_table(rows)
+
+
+def test_audit_reports_the_worst_of_several_batches():
+    rows = run_audit(AUDIT_PATHS[:2], device=torch.device("cpu"), seed=7, batches=3)
+    for r in rows:
+        assert r.batches == 3 and r.ok and r.seed in range(7, 7 + 2 * 3)
+
+
 def test_unknown_path_is_a_usage_error(capsys):
     assert main(["audit", "--path", "nope"]) == 2
     assert "unknown path" in capsys.readouterr().err
@@ -49,4 +90,4 @@ def test_table_marks_results(row_ok):
     row = AuditRow("p", "cpu_exact", 5, 5, 1.0, row_ok, 0, row_ok, "" if row_ok else "why")
     table = format_table([row])
     assert ("FAIL" in table) is (not row_ok)
-    assert ("p: why" in table) is (not row_ok)
+    assert ("p (seed 0): why" in table) is (not row_ok)

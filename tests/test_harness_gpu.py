@@ -165,3 +165,51 @@ def test_debug_mode_is_restored_after_the_region():
     with sync_recorder(layers="debug_mode"):
         assert torch.cuda.get_sync_debug_mode() == 1
     assert torch.cuda.get_sync_debug_mode() == 0
+
+
+# -- taint through buffer writes, pageable copies, attribution, on CUDA tensors -----------
+from test_harness_taint import WRITES  # noqa: E402
+
+
+@pytest.mark.parametrize("fn", WRITES, ids=lambda f: f.__name__)
+def test_buffer_write_then_read_fails_sentinel_and_debug_mode_at_the_read(fn):
+    x = torch.tensor([3, 1, 4, 1], dtype=torch.int64, device="cuda")
+    fn(x)  # warm-up
+    with pytest.raises(HostSyncError) as err:
+        with no_host_sync(watch=[x], layers="sentinel,debug_mode"):
+            fn(x)
+    by_layer = {}
+    for r in err.value.records:
+        by_layer.setdefault(r.layer, []).append(r)
+    assert by_layer["sentinel"][0].code.endswith("# read"), by_layer["sentinel"]
+    assert any(r.code.endswith("# read") for r in by_layer["debug_mode"]), by_layer["debug_mode"]
+
+
+def test_pageable_non_blocking_copy_seen_by_sentinel_and_runtime_api_at_its_line():
+    dev = torch.zeros(1 << 16, device="cuda")
+    host = torch.ones(1 << 16)  # pageable
+    dev.copy_(host, non_blocking=True)  # warm-up
+    torch.cuda.synchronize()
+    with sync_recorder(watch=[dev], layers="sentinel,runtime_api") as rec:
+        dev.copy_(host, non_blocking=True)  # the pageable copy
+    seen = {r.layer: r for r in rec.records if r.kind == "pageable_memcpy"}
+    assert set(seen) == {"sentinel", "runtime_api"}, rec.records
+    assert seen["sentinel"].code.endswith("# the pageable copy")
+    assert seen["runtime_api"].attribution == "op"
+    assert seen["runtime_api"].code.endswith("# the pageable copy")
+
+
+def test_runtime_api_names_the_op_line_or_says_it_is_the_region_line():
+    x = make_input("cuda")
+    x.sum().item()
+    with sync_recorder(layers="runtime_api") as rec:
+        x.sum().item()  # the op's own line
+        ext_stream_sync()
+    by_kind = {r.op.split(" ")[0]: r for r in rec.records}
+    item = next(r for r in rec.records if "item" in r.op or "local_scalar" in r.op)
+    assert item.attribution == "op" and item.code.endswith("# the op's own line"), rec.records
+    ext = [r for r in rec.records if r is not item]
+    assert ext, by_kind
+    for r in ext:  # the ctypes call: its own line if the profiler had a stack, else the with line
+        want = "ext_stream_sync()" if r.attribution == "op" else 'with sync_recorder(layers="runtime_api")'
+        assert r.code.startswith(want), r

@@ -8,33 +8,14 @@ Sizes are small: the interpreter runs every program in Python.
 
 from __future__ import annotations
 
-import importlib
-import os
-import sys
 from dataclasses import replace
 
 import pytest
 import torch
-
-_CUDA = torch.cuda.is_available()
-if not _CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"
+from interpret_env import CUDA as _CUDA
+from interpret_env import SKIP_WITH_CUDA
 
 triton = pytest.importorskip("triton")
-
-_KERNEL_MODULES = [
-    "vllm_sparse_sync.kernels.triton_common",
-    "vllm_sparse_sync.kernels.triton_cache",
-    "vllm_sparse_sync.kernels.triton_scorer",
-    "vllm_sparse_sync.kernels.triton_topk",
-    "vllm_sparse_sync.kernels.triton_topk_sample",
-    "vllm_sparse_sync.kernels.triton_fused",
-    "vllm_sparse_sync.kernels.triton_ops",
-]
-if not _CUDA:
-    for _name in _KERNEL_MODULES:  # re-decorate if something imported them before the variable was set
-        if _name in sys.modules:
-            importlib.reload(sys.modules[_name])
 
 from vllm_sparse_sync.kernels import reference as ref  # noqa: E402
 from vllm_sparse_sync.kernels import triton_ops as tk  # noqa: E402
@@ -47,7 +28,7 @@ from vllm_sparse_sync.kernels.workspace import (  # noqa: E402
 
 pytestmark = [
     pytest.mark.interpret,
-    pytest.mark.skipif(_CUDA, reason="CUDA present: the GPU tests run the compiled kernels"),
+    pytest.mark.skipif(_CUDA, reason=SKIP_WITH_CUDA),
 ]
 
 

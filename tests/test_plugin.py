@@ -158,17 +158,70 @@ def test_layers(no_host_sync):
     x = torch.arange(4)
     with no_host_sync(watch=[x]) as check:
         x.tolist()
-""", "--sync-layers=debug_mode")
-    # debug_mode cannot run without CUDA; the sentinel was not selected: nothing checked
-    result.assert_outcomes(passed=1)
-    result.stdout.fnmatch_lines(["*test_layers: 0 sync record(s)*layers=-*"])
+""", "--sync-layers=sentinel")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*test_layers: 1 sync record(s)*layers=sentinel*"])
 
 
-def test_bad_sync_layers_value_is_an_error(pytester):
+def _cpu_only():
+    from vllm_sparse_sync.testing.cuda_env import no_cuda_reason
+
+    if no_cuda_reason() is None:
+        pytest.skip("this host has CUDA: debug_mode runs")
+
+
+VACUOUS = """
+def test_layers(no_host_sync):
+    x = torch.arange(4)
+    with no_host_sync(watch=[x]) as check:
+        x.tolist()
+"""
+
+
+def test_sync_layers_that_cannot_run_here_fail_the_test_not_pass_it(pytester):
+    _cpu_only()
+    result = _run(pytester, VACUOUS, "--sync-layers=debug_mode")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines([
+        "vllm-sparse-sync: layers=debug_mode (cannot run here: debug_mode: torch*without CUDA*",
+        "*SyncCheckUnavailable: no sync detection layer can run here*",
+        "*debug_mode: torch * is built without CUDA*",
+    ])
+    assert "HostSyncError" not in result.stdout.str()
+
+
+def test_sync_unavailable_skip_turns_it_into_a_skip_with_the_reason(pytester):
+    _cpu_only()
+    result = _run(pytester, VACUOUS, "--sync-layers=debug_mode", "--sync-unavailable=skip", "-rs")
+    result.assert_outcomes(skipped=1)
+    result.stdout.fnmatch_lines(["SKIPPED*no sync detection layer can run here*"])
+    pytester.makeini("[pytest]\nsync_unavailable = skip\n")
+    result = pytester.runpytest_inprocess("--sync-layers=debug_mode")
+    result.assert_outcomes(skipped=1)
+    result = pytester.runpytest_inprocess("--sync-layers=debug_mode", "--sync-unavailable=error")
+    result.assert_outcomes(failed=1)
+
+
+def test_nothing_watched_on_a_cpu_host_fails(pytester):
+    _cpu_only()
+    result = _run(pytester, """
+def test_nothing(no_host_sync, sync_recorder):
+    with no_host_sync():
+        pass
+""")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*sentinel: nothing watched*"])
+
+
+def test_bad_sync_layers_value_is_a_usage_error(pytester):
     pytester.makepyfile(test_user="def test_x():\n    pass\n")
     result = pytester.runpytest_inprocess("--sync-layers=bogus")
-    assert result.ret != 0
-    assert "unknown sync layer 'bogus'" in result.stdout.str() + result.stderr.str()
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    out = result.stdout.str() + result.stderr.str()
+    assert "--sync-layers: unknown sync layer 'bogus'; known: runtime_api, debug_mode" in out
+    assert "INTERNALERROR" not in out
+    result = pytester.runpytest_inprocess("--sync-unavailable=maybe")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
 
 
 def test_gpu_marker_skips_with_a_reason_without_cuda(pytester):
@@ -220,8 +273,13 @@ def test_plugin_registered_through_entry_point(pytester):
     result.stdout.fnmatch_lines(["vllm-sparse-sync: layers=auto*"])
 
 
-def test_plugin_loadable_with_dash_p(pytester):
+def test_plugin_loadable_with_dash_p(pytester, monkeypatch):
+    """`-p vllm_sparse_sync.testing.plugin` works beside the entry point and without it."""
     pytester.makepyfile(test_user="def test_x(no_host_sync):\n    pass\n")
-    result = pytester.runpytest_subprocess("-p", "no:vllm_sparse_sync",
-                                           "-p", "vllm_sparse_sync.testing.plugin")
+    result = pytester.runpytest_subprocess("-p", "vllm_sparse_sync.testing.plugin")
     result.assert_outcomes(passed=1)
+    monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
+    result = pytester.runpytest_subprocess("-p", "vllm_sparse_sync.testing.plugin", "-p", "xdist")
+    result.assert_outcomes(passed=1)
+    result = pytester.runpytest_subprocess()
+    result.assert_outcomes(errors=1)  # no plugin, no fixture

@@ -1,9 +1,9 @@
 """`vllm-sparse-sync audit`: every bound path through the builder and the indexer kernels.
 
-For each path it builds one random decode batch, runs ``IndexerMetadataBuilder.build`` and
-the indexer step with the path's bound, and checks: bound >= the true maximum row length
-(exact sources equal it), top-k with the bound equals top-k with the exact bound, and
-``build()`` read no device data on the host.
+For each path it builds several random decode batches, runs ``IndexerMetadataBuilder.build``
+and the indexer step with the path's bound, and checks on each: bound >= the true maximum row
+length (exact sources equal it), top-k with the bound equals top-k with the exact bound, and
+``build()`` read no device data on the host. A path's row reports its worst batch.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import json
 import math
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -49,6 +49,9 @@ class AuditRow:
     host_reads: int
     ok: bool
     detail: str = ""
+    batches: int = 1
+    seed: int = 0
+    """The seed of the batch this row reports (the first failing one, else the widest)."""
 
 
 def _layout(backend: IndexerBackend, *, ratio: int = 1, world: int = 1, rank: int = 0,
@@ -123,12 +126,13 @@ def _make_case(path: AuditPath, device: torch.device, gen: torch.Generator) -> _
         local = torch.tensor([dcp_localize(s, lay.dcp_world_size, lay.dcp_rank, lay.cp_interleave)
                               for s in shadow_lens], dtype=torch.int32)
     shadow = SeqLenShadow(torch.tensor(shadow_lens, dtype=torch.int32), path.authoritative, local)
+    # copy=True: a CPU stand-in for a device tensor is never its host twin itself
     batch = DecodeBatch(
-        query_start_loc=qsl_cpu.to(device),
+        query_start_loc=qsl_cpu.to(device, copy=True),
         query_start_loc_cpu=qsl_cpu,
-        seq_lens=torch.tensor(true_lens, dtype=torch.int32).to(device),
+        seq_lens=torch.tensor(true_lens, dtype=torch.int32).to(device, copy=True),
         shadow=shadow,
-        block_table=block_table.to(device),
+        block_table=block_table.to(device, copy=True),
         max_seq_len=max_seq_len,
     )
     return _Case(batch, true_lens, rows)
@@ -150,9 +154,9 @@ def _topk(path: AuditPath, inputs: tuple, meta_rows, width: int) -> torch.Tensor
     return kernels.indexer_topk(q, w, cache, bt, meta_rows, lay.topk, width=width)
 
 
-def audit_path(path: AuditPath, device: torch.device, *, seed: int = 0,
-               host_reads: HostReadCounter = harness_host_reads) -> AuditRow:
-    """Run one path and check its invariants."""
+def audit_batch(path: AuditPath, device: torch.device, *, seed: int = 0,
+                host_reads: HostReadCounter = harness_host_reads) -> AuditRow:
+    """Run one random batch of one path and check its invariants."""
     gen = torch.Generator().manual_seed(seed)
     case = _make_case(path, device, gen)
     lay = path.layout
@@ -195,7 +199,19 @@ def audit_path(path: AuditPath, device: torch.device, *, seed: int = 0,
         problems.append("top-k with the bound differs from top-k with the exact bound")
     return AuditRow(path=path.name, bound_source=bound.source.value, bound=bound.value, exact_max=exact,
                     widening=round(bound.value / exact, 3) if exact else math.inf, topk_match=match,
-                    host_reads=reads, ok=not problems, detail="; ".join(problems))
+                    host_reads=reads, ok=not problems, detail="; ".join(problems), seed=seed)
+
+
+def audit_path(path: AuditPath, device: torch.device, *, seed: int = 0, batches: int = 1,
+               host_reads: HostReadCounter = harness_host_reads) -> AuditRow:
+    """Run `batches` random batches (seeds ``seed, seed + 1, ...``) of one path; the row of the
+    first failing batch, else of the widest bound, with the most host reads any batch had."""
+    if isinstance(batches, bool) or not isinstance(batches, int) or batches < 1:
+        raise ValueError(f"batches: must be a positive int, got {batches!r}")
+    rows = [audit_batch(path, device, seed=seed + j, host_reads=host_reads) for j in range(batches)]
+    failing = [r for r in rows if not r.ok]
+    worst = failing[0] if failing else max(rows, key=lambda r: r.widening)
+    return replace(worst, batches=batches, host_reads=max(r.host_reads for r in rows))
 
 
 def default_device() -> torch.device:
@@ -204,30 +220,33 @@ def default_device() -> torch.device:
 
 
 def run_audit(paths: Sequence[AuditPath] = AUDIT_PATHS, device: torch.device | None = None,
-              seed: int = 0, host_reads: HostReadCounter = harness_host_reads) -> list[AuditRow]:
-    """Audit every path; returns one row per path."""
+              seed: int = 0, host_reads: HostReadCounter = harness_host_reads,
+              batches: int = 4) -> list[AuditRow]:
+    """Audit every path over `batches` random batches each; returns one row per path."""
     device = device or default_device()
     rows = []
     for i, path in enumerate(paths):
-        print(f"[{i + 1}/{len(paths)}] {path.name} ...", file=sys.stderr, flush=True)
-        rows.append(audit_path(path, device, seed=seed + i, host_reads=host_reads))
+        print(f"[{i + 1}/{len(paths)}] {path.name} ({batches} batches) ...", file=sys.stderr, flush=True)
+        rows.append(audit_path(path, device, seed=seed + i * batches, batches=batches,
+                               host_reads=host_reads))
     return rows
 
 
-HEADERS = ("path", "bound source", "bound", "exact max", "widening", "top-k match", "host reads", "result")
+HEADERS = ("path", "bound source", "bound", "exact max", "widening", "top-k match", "host reads", "seed",
+           "result")
 
 
 def format_table(rows: Sequence[AuditRow]) -> str:
     """A plain-text table of audit rows."""
     cells = [HEADERS] + [
         (r.path, r.bound_source, str(r.bound), str(r.exact_max), f"{r.widening:.3f}x",
-         "yes" if r.topk_match else "NO", str(r.host_reads), "ok" if r.ok else "FAIL")
+         "yes" if r.topk_match else "NO", str(r.host_reads), str(r.seed), "ok" if r.ok else "FAIL")
         for r in rows
     ]
     widths = [max(len(c[i]) for c in cells) for i in range(len(HEADERS))]
     lines = ["  ".join(c[i].ljust(widths[i]) for i in range(len(HEADERS))) for c in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    failures = [f"{r.path}: {r.detail}" for r in rows if not r.ok]
+    failures = [f"{r.path} (seed {r.seed}): {r.detail}" for r in rows if not r.ok]
     return "\n".join(lines + failures)
 
 

@@ -21,8 +21,11 @@ def _audit(args: argparse.Namespace) -> int:
                   file=sys.stderr)
             return 2
         paths = tuple(known[p] for p in args.path)
+    if args.batches < 1:
+        print(f"error: --batches: must be >= 1, got {args.batches}", file=sys.stderr)
+        return 2
     device = torch.device(args.device) if args.device else None
-    rows = run_audit(paths, device=device, seed=args.seed)
+    rows = run_audit(paths, device=device, seed=args.seed, batches=args.batches)
     print(format_table(rows))
     if args.json:
         with open(args.json, "w") as f:
@@ -47,7 +50,11 @@ def build_parser() -> argparse.ArgumentParser:
     audit.add_argument("--json", metavar="FILE", help="also write the rows as a JSON list to FILE")
     audit.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
     audit.add_argument("--path", action="append", help="audit only this path (repeatable)")
-    audit.add_argument("--seed", type=int, default=0, help="random seed of the batches (default 0)")
+    audit.add_argument("--seed", type=int, default=0,
+                       help="random seed of the first batch (default 0); batch j of path i has "
+                            "seed + i * batches + j")
+    audit.add_argument("--batches", type=int, default=4, metavar="N",
+                       help="random batches per path; each row reports the worst (default 4)")
     audit.set_defaults(func=_audit)
     selftest = sub.add_parser("selftest", help="measure which torch ops synchronize, per layer")
     selftest.add_argument("rest", nargs=argparse.REMAINDER, help="options passed to the selftest")

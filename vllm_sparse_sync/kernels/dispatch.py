@@ -18,6 +18,11 @@ def _triton():
     return triton_ops
 
 
+def _uses_triton(t: torch.Tensor) -> bool:
+    """Whether a call on `t` takes the Triton route (CUDA tensors)."""
+    return t.is_cuda
+
+
 def _finish(result: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
     if out is None:
         return result
@@ -28,7 +33,7 @@ def _finish(result: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
 def paged_indexer_logits(q_fp8, weights, k_cache, block_table, row_lens, width, *,
                          active_width=None, out=None):
     """See ``reference.paged_indexer_logits``."""
-    if q_fp8.is_cuda:
+    if _uses_triton(q_fp8):
         return _triton().paged_indexer_logits(q_fp8, weights, k_cache, block_table, row_lens, width,
                                               active_width=active_width, out=out)
     res = reference.paged_indexer_logits(q_fp8, weights, k_cache, block_table, row_lens, width,
@@ -38,7 +43,7 @@ def paged_indexer_logits(q_fp8, weights, k_cache, block_table, row_lens, width, 
 
 def topk_indices(logits, row_lens, k, *, active_width=None, workspace=None, out=None):
     """See ``reference.topk_indices``."""
-    if logits.is_cuda:
+    if _uses_triton(logits):
         return _triton().topk_indices(logits, row_lens, k, active_width=active_width,
                                       workspace=workspace, out=out)
     return _finish(reference.topk_indices(logits, row_lens, k, active_width=active_width), out)
@@ -46,7 +51,7 @@ def topk_indices(logits, row_lens, k, *, active_width=None, workspace=None, out=
 
 def write_index_k_cache(k_cache, k_fp8, k_scale, slot_mapping) -> None:
     """See ``reference.write_index_k_cache``."""
-    if k_cache.is_cuda:
+    if _uses_triton(k_cache):
         return _triton().write_index_k_cache(k_cache, k_fp8, k_scale, slot_mapping)
     return reference.write_index_k_cache(k_cache, k_fp8, k_scale, slot_mapping)
 
@@ -54,7 +59,7 @@ def write_index_k_cache(k_cache, k_fp8, k_scale, slot_mapping) -> None:
 def indexer_topk(q_fp8, weights, k_cache, block_table, row_lens, k, *, active_width=None,
                  width=None, workspace=None, out=None):
     """See ``reference.indexer_topk``."""
-    if q_fp8.is_cuda:
+    if _uses_triton(q_fp8):
         return _triton().indexer_topk(q_fp8, weights, k_cache, block_table, row_lens, k,
                                       active_width=active_width, width=width,
                                       workspace=workspace, out=out)

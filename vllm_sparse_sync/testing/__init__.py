@@ -5,7 +5,7 @@ registered through the `pytest11` entry point)."""
 from __future__ import annotations
 
 from .capture import DecodeGraph, decode_graph
-from .guard import SyncCheck, check_step, no_host_sync, sync_recorder
+from .guard import SyncCheck, SyncCheckUnavailable, check_step, no_host_sync, sync_recorder
 from .isolate import run_isolated
 from .layers import (
     CaptureProbe,
@@ -15,6 +15,7 @@ from .layers import (
     TraceLayer,
 )
 from .records import KINDS, Budget, HostSyncError, SyncRecord
+from .watch import device_tensors
 
 __all__ = [
     "KINDS",
@@ -26,10 +27,12 @@ __all__ = [
     "RuntimeApiLayer",
     "SentinelLayer",
     "SyncCheck",
+    "SyncCheckUnavailable",
     "SyncRecord",
     "TraceLayer",
     "check_step",
     "decode_graph",
+    "device_tensors",
     "no_host_sync",
     "run_isolated",
     "sync_recorder",

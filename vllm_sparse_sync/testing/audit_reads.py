@@ -4,27 +4,22 @@ from __future__ import annotations
 
 from ..metadata import DecodeBatch, IndexerMetadataBuilder
 from .guard import check_step
+from .watch import device_tensors
 
 
 def host_reads(builder: IndexerMetadataBuilder, batch: DecodeBatch) -> tuple[int, str]:
     """(host syncs seen in one `build()`, the first one in words).
 
-    CPU: the sentinel over the batch's device tensors and the builder's buffers. CUDA: also
-    the debug mode, the runtime-API counter and the capture probe. The count is the most any
-    one layer saw (layers see the same syncs).
+    CPU: the sentinel over every device-standing tensor of the batch and the builder (a
+    stand-in that shares storage with its host twin is an error). CUDA: also the debug mode,
+    the runtime-API counter and the capture probe. The count is the most any one layer saw
+    (layers see the same syncs). A sentinel that saw no watched tensor in use counts as a
+    failed check: the audit would otherwise pass on nothing.
     """
-    host = [batch.query_start_loc_cpu]
-    if batch.shadow is not None:
-        host += [t for t in (batch.shadow.seq_lens_cpu, batch.shadow.dcp_local_seq_lens_cpu)
-                 if t is not None]
-    host_ptrs = {t.untyped_storage().data_ptr() for t in host}
-    # on a CPU run `x.to("cpu")` may hand back the host twin itself: that one is not watched
-    watch = [t for t in (batch.query_start_loc, batch.seq_lens, batch.block_table,
-                         builder.row_lens_buffer, builder.block_table_buffer,
-                         builder.active_width_buffer)
-             if t.untyped_storage().data_ptr() not in host_ptrs]
-    check = check_step(lambda: builder.build(batch), watch=watch, warmup=1, raise_on_sync=False,
-                       where="audit build()")
+    check = check_step(lambda: builder.build(batch), watch=device_tensors(builder, batch), warmup=1,
+                       raise_on_sync=False, where="audit build()")
+    if check.touched == 0:
+        return 1, "vacuous check: build() used none of the watched device tensors"
     if not check.records:
         return 0, ""
     first = check.records[0]

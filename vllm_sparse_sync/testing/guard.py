@@ -1,4 +1,8 @@
-"""`no_host_sync` and `sync_recorder`: run the detection layers around a block or a step."""
+"""`no_host_sync` and `sync_recorder`: run the detection layers around a block or a step.
+
+A check never passes by checking nothing: when none of the requested layers can run here,
+entering it raises `SyncCheckUnavailable` (naming each layer and why), not a pass.
+"""
 
 from __future__ import annotations
 
@@ -6,15 +10,31 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from . import layers as _layers
-from .layers.debug_mode import is_sync_error, record_error
-from .records import Budget, HostSyncError, SyncRecord, count_by_kind, count_by_layer
-
-# Region layers start outermost-first in this order and stop in reverse: the profiler's own
-# syncs stay outside every other layer, the sentinel sits closest to the user code.
-_ORDER = ("runtime_api", "debug_mode", "trace", "sentinel")
+from .layers.sentinel import watch_list
+from .records import Budget, HostSyncError, SyncRecord, check_kind, count_by_kind, count_by_layer
 
 _default_spec: tuple[str, ...] | None = None
 _listeners: list[Callable[[SyncCheck], None]] = []
+
+
+class SyncCheckUnavailable(RuntimeError):
+    """No requested detection layer can run here, so the check would check nothing.
+
+    Not a `HostSyncError`: nothing synchronized, and nothing was checked either.
+    ``reasons`` maps each requested layer to why it cannot run.
+    """
+
+    def __init__(self, reasons: dict[str, str], where: str = "", note: str = ""):
+        self.reasons = dict(reasons)
+        self.where = where
+        head = (f"no sync detection layer can run here{' for ' + where if where else ''}, "
+                f"so nothing would be checked")
+        lines = [head + (f" ({note})" if note else "") + ":"]
+        lines += [f"  {name}: {why}" for name, why in self.reasons.items()]
+        super().__init__("\n".join(lines))
+
+    def __reduce__(self):
+        return (SyncCheckUnavailable, (self.reasons, self.where))
 
 
 def set_default_layers(spec) -> None:
@@ -33,17 +53,18 @@ def remove_listener(fn: Callable[[SyncCheck], None]) -> None:
 
 
 def resolve_layers(layers, *, watch: bool) -> tuple[list[str], dict[str, str]]:
-    """(names to run, {name: reason} for requested layers that cannot run here)."""
+    """(names to run, {name: reason} for requested layers that cannot run here).
+
+    `layers=None` means the process default (`--sync-layers`), else every layer there is.
+    """
     names = _layers.parse_layers(layers)
     if names is None:
         names = _default_spec
     if names is None:
-        return list(_layers.default_layers(watch=watch)), {}
+        names = _layers.ALL_LAYERS
     run, skipped = [], {}
-    for n in names:
-        reason = _layers.unavailable_reason(n)
-        if n == "sentinel" and not watch and reason is None:
-            reason = "nothing watched"
+    for n in dict.fromkeys(names):
+        reason = _layers.unavailable_reason(n, watch=watch)
         if reason is None:
             run.append(n)
         else:
@@ -56,7 +77,7 @@ class SyncCheck:
 
     def __init__(self, *, watch: Sequence = (), layers=None, budget=0, raise_on_sync: bool,
                  where: str = "", defer: bool = False):
-        self.watch = tuple(watch) if not hasattr(watch, "untyped_storage") else (watch,)
+        self.watch = tuple(watch_list(watch))
         self.budget = Budget.of(budget)
         self.raise_on_sync = raise_on_sync
         self.where = where
@@ -65,6 +86,7 @@ class SyncCheck:
         self._running: list = []
         self._sentinel = None
         self._defer = defer
+        self._touched: int | None = None
 
     # -- results -------------------------------------------------------------------------
     @property
@@ -77,6 +99,11 @@ class SyncCheck:
         return count_by_layer(self.records)
 
     def count(self, kind: str | None = None, layer: str | None = None) -> int:
+        """Records of `kind` (one of `KINDS`) seen by `layer` (a layer name); None: any."""
+        if kind is not None:
+            check_kind(kind)
+        if layer is not None:
+            _layers.layer_class(layer)
         return sum(1 for r in self.records
                    if (kind is None or r.kind == kind) and (layer is None or r.layer == layer))
 
@@ -84,39 +111,79 @@ class SyncCheck:
     def violations(self) -> list[str]:
         return self.budget.violations(self.records)
 
+    @property
+    def touched(self) -> int | None:
+        """Ops and launches in the region that used watched data (sentinel); None without it."""
+        if self._sentinel is not None:
+            return self._sentinel.touched
+        return self._touched
+
     def mark(self, *tensors) -> None:
         """Watch more tensors (sentinel) from inside the region."""
         if self._sentinel is not None:
             self._sentinel.mark(*tensors)
 
+    def _region_layers(self) -> list[str]:
+        return [n for n in self.layer_names if n in _layers.REGION_LAYERS]
+
+    def _probes(self) -> list[str]:
+        return [n for n in self.layer_names if n in _layers.STEP_PROBES]
+
+    def _require(self, *, with_probes: bool) -> None:
+        """Raise `SyncCheckUnavailable` when nothing would be checked."""
+        if self._region_layers() or (with_probes and self._probes()):
+            return
+        reasons = dict(self.unavailable)
+        note = ""
+        if not with_probes:
+            for n in _layers.STEP_PROBES:
+                if n in reasons or n in self._probes():
+                    here = f" (and here: {reasons[n]})" if n in reasons else ""
+                    reasons[n] = f"a step probe: it runs only through check_step(step_fn){here}"
+        requested = list(reasons)
+        if not requested:
+            reasons = {"(none)": "no layer was requested"}
+        elif set(requested) != set(_layers.ALL_LAYERS):
+            note = f"requested: {', '.join(requested)}"
+        raise SyncCheckUnavailable(reasons, self.where, note)
+
     # -- region --------------------------------------------------------------------------
     def __enter__(self) -> SyncCheck:
-        order = [n for n in _ORDER if n in self.layer_names]
+        self._require(with_probes=self._defer)
+        self._start()
+        return self
+
+    def _start(self) -> None:
+        order = sorted(self._region_layers(), key=lambda n: _layers.REGION_LAYERS[n].order)
         try:
             for name in order:
-                cls = _layers.REGION_LAYERS[name]
-                layer = cls(self.watch) if name == "sentinel" else cls()
+                layer = _layers.REGION_LAYERS[name].create(self.watch)
                 layer.start()
                 self._running.append(layer)
-                if name == "sentinel":
+                if name == _layers.SentinelLayer.name:
                     self._sentinel = layer
         except BaseException:
             self._stop_all()
             raise
-        return self
 
     def _stop_all(self) -> None:
         while self._running:
             layer = self._running.pop()
             self.records.extend(layer.stop())
+        if self._sentinel is not None:
+            self._touched = self._sentinel.touched
         self._sentinel = None
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         self._stop_all()
         suppress = False
-        if exc is not None and is_sync_error(exc):
-            self.records.append(record_error(exc))
-            suppress = True
+        if exc is not None:
+            for name in self._region_layers():
+                rec = _layers.REGION_LAYERS[name].record_exception(exc)
+                if rec is not None:
+                    self.records.append(rec)
+                    suppress = True
+                    break
         if not self._defer:
             self.finish(exc)
         return suppress
@@ -125,9 +192,8 @@ class SyncCheck:
     def probe(self, step_fn: Callable[[], Any]) -> list[SyncRecord]:
         """Run the selected step probes (the capture probe) over `step_fn`."""
         found: list[SyncRecord] = []
-        for name, cls in _layers.STEP_PROBES.items():
-            if name in self.layer_names:
-                found.extend(cls().probe(step_fn))
+        for name in self._probes():
+            found.extend(_layers.STEP_PROBES[name]().probe(step_fn))
         self.records.extend(found)
         return found
 
@@ -145,25 +211,29 @@ def no_host_sync(*, watch: Sequence = (), layers=None, budget=0, where: str = ""
     """Context manager: raise `HostSyncError` if the block syncs more than `budget` allows.
 
     `watch`: tensors that stand for device tensors (the sentinel follows them and all tensors
-    computed from them). `layers`: names or "a,b" (default: every layer that can run here).
+    computed from them or written with their data). `layers`: names or "a,b" (default: every
+    layer that can run here). Entering raises `SyncCheckUnavailable` when no layer can run.
     """
     return SyncCheck(watch=watch, layers=layers, budget=budget, raise_on_sync=True, where=where)
 
 
 def sync_recorder(*, watch: Sequence = (), layers=None, where: str = "") -> SyncCheck:
-    """Context manager: the same layers, recording and counting by kind; never raises."""
+    """Context manager: the same layers, recording and counting by kind; never raises a
+    `HostSyncError` (entering still refuses a check no layer can run)."""
     return SyncCheck(watch=watch, layers=layers, budget=0, raise_on_sync=False, where=where)
 
 
 def check_step(step_fn: Callable[[], Any], *, watch: Sequence = (), layers=None, budget=0,
                warmup: int = 1, raise_on_sync: bool = True, where: str = "") -> SyncCheck:
     """Warm `step_fn` up, run it once under the region layers, then under the step probes."""
-    for _ in range(warmup):
-        step_fn()
     check = SyncCheck(watch=watch, layers=layers, budget=budget, raise_on_sync=raise_on_sync,
                       where=where, defer=True)
-    with check:
+    check._require(with_probes=True)
+    for _ in range(warmup):
         step_fn()
+    if check._region_layers():
+        with check:
+            step_fn()
     check.probe(step_fn)
     check.finish()
     return check

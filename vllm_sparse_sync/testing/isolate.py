@@ -63,14 +63,24 @@ def run_isolated(target, *, layers: Sequence[str] = ("trace",), warmup: int = 1,
 
 def _child(argv: Sequence[str]) -> int:
     name, layer_spec, warmup, repeat, out = argv
-    from .guard import sync_recorder
+    from .guard import SyncCheckUnavailable, sync_recorder
 
     fn = _load(name)
+    rec = sync_recorder(layers=layer_spec or None)
+    if rec.unavailable:
+        with open(out, "w") as f:
+            json.dump({"records": [], "unavailable": rec.unavailable}, f)
+        return 0
     for _ in range(int(warmup)):
         fn()
-    with sync_recorder(layers=layer_spec or None) as rec:
-        for _ in range(int(repeat)):
-            fn()
+    try:
+        with rec:
+            for _ in range(int(repeat)):
+                fn()
+    except SyncCheckUnavailable as exc:
+        with open(out, "w") as f:
+            json.dump({"records": [], "unavailable": exc.reasons}, f)
+        return 0
     with open(out, "w") as f:
         json.dump({"records": [r.to_dict() for r in rec.records],
                    "unavailable": rec.unavailable}, f)

@@ -20,6 +20,16 @@ WARNING_FILTERS = (
     r"ignore:.*The CUDA Graph is empty:UserWarning",
 )
 _KEY_CHECKS = pytest.StashKey[list]()
+UNAVAILABLE_CHOICES = ("error", "skip")
+
+
+def unavailable_policy(config) -> str:
+    """"error" or "skip": the command line first, then the ini option."""
+    value = config.getoption("sync_unavailable", None) or config.getini("sync_unavailable") or "error"
+    if value not in UNAVAILABLE_CHOICES:
+        raise pytest.UsageError(f"sync_unavailable: expected one of {', '.join(UNAVAILABLE_CHOICES)}, "
+                                f"got {value!r}")
+    return value
 
 
 def pytest_addoption(parser):
@@ -28,6 +38,13 @@ def pytest_addoption(parser):
                     help="comma-separated detection layers for no_host_sync/sync_recorder "
                          "(sentinel,debug_mode,trace,runtime_api,capture); default: auto, "
                          "every layer that can run here")
+    group.addoption("--sync-unavailable", default=None, choices=UNAVAILABLE_CHOICES,
+                    help="what a test does when none of its check's layers can run here: "
+                         "error (default: the test fails, nothing was checked) or skip "
+                         "(with the reason); ini: sync_unavailable")
+    parser.addini("sync_unavailable", default="error",
+                  help="error or skip: a check none of whose layers can run here "
+                       "(--sync-unavailable overrides)")
     group.addoption("--sync-report", default=None, metavar="FILE",
                     help="write a JSON report of every sync seen, per test")
     group.addoption("--sync-backend", default="all", choices=("all", "b12x", "deepgemm"),
@@ -55,14 +72,24 @@ def pytest_configure(config):
         config.addinivalue_line("filterwarnings", f)
     from .guard import set_default_layers
 
-    set_default_layers(config.getoption("sync_layers", "auto"))
+    try:
+        set_default_layers(config.getoption("sync_layers", "auto"))
+    except (TypeError, ValueError) as exc:
+        raise pytest.UsageError(f"--sync-layers: {exc}") from None
+    config._vss_unavailable = unavailable_policy(config)
     if not hasattr(config, "workerinput"):  # the controller (or a run without xdist)
         config.pluginmanager.register(SyncSession(config), "vllm_sparse_sync_session")
 
 
 def pytest_report_header(config):
-    return (f"vllm-sparse-sync: layers={config.getoption('sync_layers')}, "
-            f"{getattr(config, '_vss_pinning', '')}")
+    from .guard import resolve_layers
+
+    spec = config.getoption("sync_layers")
+    _, cannot = resolve_layers(None, watch=True)
+    not_here = "; ".join(f"{k}: {v}" for k, v in cannot.items())
+    return (f"vllm-sparse-sync: layers={spec}"
+            + (f" (cannot run here: {not_here})" if not_here else "")
+            + f", {getattr(config, '_vss_pinning', '')}")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -125,8 +152,14 @@ def pytest_runtest_call(item):
         if no_cuda_reason() is None:
             auto = SyncCheck(raise_on_sync=False, where=item.nodeid)
             auto.__enter__()
+    from .guard import SyncCheckUnavailable
+
     try:
         result = yield
+    except SyncCheckUnavailable as exc:
+        if getattr(item.config, "_vss_unavailable", "error") == "skip":
+            pytest.skip(str(exc))
+        raise
     finally:
         if auto is not None:
             auto.__exit__(None, None, None)

@@ -35,6 +35,15 @@ KINDS = (
     CAPTURE_FAILURE,
 )
 
+
+
+def check_kind(kind: object) -> str:
+    """`kind` if it names a sync kind (one of `KINDS`), else a ValueError listing them."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown sync kind {kind!r}; known: {', '.join(KINDS)}")
+    return kind  # type: ignore[return-value]
+
+
 _TESTING_DIR = os.path.dirname(os.path.abspath(__file__))
 _SKIP_DIRS: tuple[str, ...] = (_TESTING_DIR,)
 # stdlib modules that sit between user code and a callback (warnings hooks, with-blocks)
@@ -123,14 +132,17 @@ class SyncRecord:
     code: str = ""
     thread: str = ""
     detail: str = ""
+    attribution: str = "op"
+    """Whose line `location` is: "op" (the syncing call's own line) or "region" (the line that
+    entered the checked region, when the layer could not see the call's Python stack)."""
 
     @classmethod
     def at(cls, kind: str, layer: str, op: str, frame: Frame, detail: str = "",
-           thread: str | None = None) -> SyncRecord:
+           thread: str | None = None, attribution: str = "op") -> SyncRecord:
         return cls(kind=kind, layer=layer, op=op, location=frame.location,
                    function=frame.function, code=frame.code,
                    thread=thread if thread is not None else threading.current_thread().name,
-                   detail=detail)
+                   detail=detail, attribution=attribution)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -142,7 +154,8 @@ class SyncRecord:
     def format(self) -> str:
         code = f": {self.code}" if self.code else ""
         detail = f" ({self.detail})" if self.detail else ""
-        return (f"[{self.layer}] {self.kind} {self.op} at {self.location} in {self.function}"
+        where = " (line of the checked region)" if self.attribution == "region" else ""
+        return (f"[{self.layer}] {self.kind} {self.op} at {self.location}{where} in {self.function}"
                 f"{code}  [thread {self.thread}]{detail}")
 
 
@@ -179,11 +192,16 @@ class Budget:
         raise TypeError(f"budget must be an int, a Budget or a kind->count mapping, got {value!r}")
 
     def __post_init__(self):
+        if isinstance(self.n, bool) or not isinstance(self.n, int):
+            raise TypeError(f"budget n must be an int, got {self.n!r}")
         if self.n < 0:
             raise ValueError("budget n must be >= 0")
         if self.kinds is not None and not isinstance(self.kinds, Mapping):
             kinds = (self.kinds,) if isinstance(self.kinds, str) else tuple(self.kinds)
             object.__setattr__(self, "kinds", kinds)
+        if self.kinds is not None:
+            for kind in self.kinds:
+                check_kind(kind)
 
     def violations(self, records: Sequence[SyncRecord]) -> list[str]:
         """Human-readable budget overruns, one per (layer, group); empty when within budget."""

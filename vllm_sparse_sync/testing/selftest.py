@@ -18,19 +18,17 @@ COLUMNS = ("sentinel", "debug_mode", "trace", "runtime_api", "capture")
 
 
 def _count_region(op: Op, device, layer: str) -> int | None:
-    from .guard import sync_recorder
+    from .guard import SyncCheckUnavailable, sync_recorder
 
     x = make_input(device)
     op.fn(x)  # warm-up (lazy init, JIT)
-    if layer == "sentinel":
-        if not op.tensor_read:
-            return None
-        with sync_recorder(watch=[x], layers="sentinel") as rec:
+    if layer == "sentinel" and not op.tensor_read:
+        return None
+    rec = sync_recorder(watch=[x] if layer == "sentinel" else (), layers=layer)
+    try:
+        with rec:
             op.fn(x)
-    else:
-        with sync_recorder(layers=layer) as rec:
-            op.fn(x)
-    if rec.unavailable:
+    except SyncCheckUnavailable:
         return None
     return len(rec.records)
 

@@ -10,18 +10,29 @@ from .sentinel import SentinelLayer
 from .trace import TraceLayer
 
 REGION_LAYERS = {
-    cls.name: cls for cls in (SentinelLayer, DebugModeLayer, TraceLayer, RuntimeApiLayer)
+    cls.name: cls
+    for cls in sorted((SentinelLayer, DebugModeLayer, TraceLayer, RuntimeApiLayer), key=lambda c: c.order)
 }
 STEP_PROBES = {CaptureProbe.name: CaptureProbe}
 ALL_LAYERS = (*REGION_LAYERS, *STEP_PROBES)
 
 
-def unavailable_reason(name: str) -> str | None:
-    """None when layer `name` can run in this process, else why not."""
+def layer_class(name: str):
+    """The class of layer `name`; a ValueError naming the known layers otherwise."""
     cls = REGION_LAYERS.get(name) or STEP_PROBES.get(name)
     if cls is None:
         raise ValueError(f"unknown sync layer {name!r}; known: {', '.join(ALL_LAYERS)}")
-    return cls.unavailable_reason()
+    return cls
+
+
+def unavailable_reason(name: str, *, watch: bool = True) -> str | None:
+    """None when layer `name` can run in this process (given whether anything is watched),
+    else why not."""
+    cls = layer_class(name)
+    reason = cls.unavailable_reason()
+    if reason is None and cls.needs_watch and not watch:
+        reason = "nothing watched (pass watch=[...]: the tensors that stand for device data)"
+    return reason
 
 
 def parse_layers(spec) -> tuple[str, ...] | None:
@@ -32,23 +43,19 @@ def parse_layers(spec) -> tuple[str, ...] | None:
         if spec.strip() in ("", "auto"):
             return None
         spec = [s.strip() for s in spec.split(",") if s.strip()]
+    elif not isinstance(spec, (list, tuple)) or not all(isinstance(s, str) for s in spec):
+        raise TypeError(f"layers: expected 'auto', a comma-separated string or a list of names, "
+                        f"got {spec!r}")
     names = tuple(spec)
     for n in names:
-        if n not in ALL_LAYERS:
-            raise ValueError(f"unknown sync layer {n!r}; known: {', '.join(ALL_LAYERS)}")
+        layer_class(n)
     return names
 
 
 def default_layers(*, watch: bool) -> tuple[str, ...]:
-    """The layers `layers=None` means here: every layer that can run in this process;
-    the sentinel only when something is watched."""
-    out = []
-    for name, cls in {**REGION_LAYERS, **STEP_PROBES}.items():
-        if name == "sentinel" and not watch:
-            continue
-        if cls.unavailable_reason() is None:
-            out.append(name)
-    return tuple(out)
+    """The layers `layers=None` means here: every layer that can run in this process
+    (the sentinel only when something is watched)."""
+    return tuple(n for n in ALL_LAYERS if unavailable_reason(n, watch=watch) is None)
 
 
 __all__ = [
@@ -63,6 +70,7 @@ __all__ = [
     "StepProbe",
     "TraceLayer",
     "default_layers",
+    "layer_class",
     "parse_layers",
     "unavailable_reason",
 ]

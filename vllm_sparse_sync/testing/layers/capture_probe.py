@@ -65,6 +65,8 @@ class CaptureProbe:
     """Captures `step_fn` once (after an eager warm-up), reports whatever made it fail."""
 
     name: ClassVar[str] = LAYER
+    order: ClassVar[int] = 100  # a step probe: runs after the region layers
+    needs_watch: ClassVar[bool] = False
 
     def __init__(self, *, warmup: int = 1, capture_error_mode: str = "global",
                  arm_debug_mode: bool = True):

@@ -44,6 +44,8 @@ class DebugModeLayer:
     """Arms `torch.cuda.set_sync_debug_mode` for the region; records what it reports."""
 
     name: ClassVar[str] = LAYER
+    order: ClassVar[int] = 10
+    needs_watch: ClassVar[bool] = False
 
     def __init__(self, mode: str = "warn"):
         if mode not in ("warn", "error"):
@@ -57,6 +59,15 @@ class DebugModeLayer:
     @classmethod
     def unavailable_reason(cls) -> str | None:
         return no_cuda_reason()
+
+    @classmethod
+    def create(cls, watch=()):
+        return cls()
+
+    @classmethod
+    def record_exception(cls, exc: BaseException) -> SyncRecord | None:
+        """torch's error-mode rejection of a sync, as a record; None for any other error."""
+        return record_error(exc) if is_sync_error(exc) else None
 
     def _show(self, message, category, filename, lineno, file=None, line=None):
         if SYNC_MESSAGE in str(message):

@@ -115,21 +115,24 @@ def records_from_events(events, *, fallback: Frame = UNKNOWN,
         if kind is None:
             continue
         frame, op = _attribution(e)
-        detail = "" if frame else "no Python stack (extension call?); region entered here"
+        detail = "" if frame else "no Python stack for this call (an extension's?)"
         synced_roots.add(id(_root(e)))
         out.append(SyncRecord.at(kind, LAYER, f"{e.name}" + (f" via {op}" if op else ""),
                                  frame or fallback, detail=detail,
-                                 thread=names.get(e.thread, str(e.thread))))
+                                 thread=names.get(e.thread, str(e.thread)),
+                                 attribution="op" if frame else "region"))
     for e in events:
         if _is_device_event(e) or not inside(e) or e.name == REGION:
             continue
         pageable = [k for k in getattr(e, "kernels", ()) or () if "Pageable" in k.name]
         if not pageable or id(_root(e)) in synced_roots:
             continue
-        frame = _frame_from_stack(e.stack) or _attribution(e)[0] or fallback
+        frame = _frame_from_stack(e.stack) or _attribution(e)[0]
         for k in pageable:
-            out.append(SyncRecord.at(PAGEABLE_MEMCPY, LAYER, f"{k.name} via {e.name}", frame,
-                                     thread=names.get(e.thread, str(e.thread))))
+            out.append(SyncRecord.at(PAGEABLE_MEMCPY, LAYER, f"{k.name} via {e.name}",
+                                     frame or fallback, thread=names.get(e.thread, str(e.thread)),
+                                     detail="" if frame else "no Python stack for this copy",
+                                     attribution="op" if frame else "region"))
     return out
 
 
@@ -137,6 +140,8 @@ class RuntimeApiLayer:
     """Profiles the region and reports synchronizing CUDA API calls from any library."""
 
     name: ClassVar[str] = LAYER
+    order: ClassVar[int] = 0  # outermost: the profiler's own syncs stay outside the others
+    needs_watch: ClassVar[bool] = False
 
     def __init__(self, *, with_stack: bool = True):
         self.with_stack = with_stack
@@ -147,6 +152,14 @@ class RuntimeApiLayer:
     @classmethod
     def unavailable_reason(cls) -> str | None:
         return no_cuda_reason()
+
+    @classmethod
+    def create(cls, watch=()):
+        return cls()
+
+    @classmethod
+    def record_exception(cls, exc: BaseException) -> SyncRecord | None:
+        return None
 
     def start(self) -> None:
         import torch

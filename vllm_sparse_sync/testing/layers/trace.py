@@ -57,6 +57,8 @@ class TraceLayer:
     """Records every synchronization torch's GPU trace hooks report during the region."""
 
     name: ClassVar[str] = LAYER
+    order: ClassVar[int] = 20
+    needs_watch: ClassVar[bool] = False
 
     def __init__(self):
         self.records: list[SyncRecord] = []
@@ -69,6 +71,14 @@ class TraceLayer:
         if not trace_allowed():
             return (f"GPU trace hooks are irreversible: runs only in a subprocess "
                     f"({ENV}=1, see vllm_sparse_sync.testing.run_isolated)")
+        return None
+
+    @classmethod
+    def create(cls, watch=()):
+        return cls()
+
+    @classmethod
+    def record_exception(cls, exc: BaseException) -> SyncRecord | None:
         return None
 
     def start(self) -> None:
