@@ -8,6 +8,9 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
+if torch.version.cuda is None:  # a CPU build: Triton kernels can only run in its interpreter,
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # set before anything imports a kernel module
+
 settings.register_profile("ci", deadline=None, max_examples=60,
                           suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("thorough", deadline=None, max_examples=500,

@@ -122,7 +122,7 @@ def test_runtime_api_records_only_inside_the_region_and_attributes_stacks(tmp_pa
     assert records[0].location.endswith("user.py:2")
     assert records[0].code == "b = seq_lens.max().item()"
     assert records[0].op == "cudaStreamSynchronize via aten::_local_scalar_dense"
-    assert "no Python stack" in records[1].detail
+    assert "no Python frame" in records[1].detail
     assert [r.attribution for r in records] == ["op", "region", "op"]
     assert "(line of the checked region)" in records[1].format()
     assert "(line of the checked region)" not in records[0].format()
@@ -205,4 +205,25 @@ def test_runtime_api_attributes_through_python_tracer_events(tmp_path):
     sync = _Evt("cudaStreamSynchronize", 10, 12, parent=py)
     (r,) = records_from_events([region, py, sync])
     assert r.location.endswith("ext_user.py:1") and r.function == "step"
-    assert r.op == "cudaStreamSynchronize"
+    assert r.op == "cudaStreamSynchronize" and r.attribution == "function"
+
+
+def test_runtime_api_attributes_through_op_marks_by_parent_or_by_time(tmp_path):
+    from vllm_sparse_sync.testing.layers.runtime_api import OP_MARK
+    from vllm_sparse_sync.testing.records import Frame
+
+    frames = {0: Frame(str(tmp_path / "u.py"), 7, "build", "n = int(x.max())"),
+              1: Frame(str(tmp_path / "u.py"), 9, "build", "y = x.tolist()")}
+    region = _Evt("vllm_sparse_sync::checked_region", 0, 100)
+    py = _Evt(f"{tmp_path / 'u.py'}(5): build", 1, 99, parent=region)
+    py.is_python_function = True
+    mark = _Evt(OP_MARK + "0", 10, 20, parent=py)
+    op = _Evt("aten::_local_scalar_dense", 11, 19, parent=mark)
+    linked = _Evt("cudaStreamSynchronize", 12, 13, parent=op)
+    mark2 = _Evt(OP_MARK + "1", 30, 40, parent=py)
+    unlinked = _Evt("cudaMemcpyAsync", 31, 32)  # not a sync kind: ignored
+    orphan = _Evt("cudaStreamSynchronize", 33, 34)  # no parent link: found by time
+    recs = records_from_events([region, py, mark, op, linked, mark2, unlinked, orphan],
+                               op_frames=frames)
+    assert [(r.location.rsplit(":", 1)[1], r.attribution) for r in recs] == [("7", "op"), ("9", "op")]
+    assert recs[0].op == "cudaStreamSynchronize via aten::_local_scalar_dense"

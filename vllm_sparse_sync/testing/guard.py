@@ -87,6 +87,8 @@ class SyncCheck:
         self._sentinel = None
         self._defer = defer
         self._touched: int | None = None
+        self.ran: list[str] = []
+        """The layers that actually ran (region layers, then step probes)."""
 
     # -- results -------------------------------------------------------------------------
     @property
@@ -160,6 +162,7 @@ class SyncCheck:
                 layer = _layers.REGION_LAYERS[name].create(self.watch)
                 layer.start()
                 self._running.append(layer)
+                self.ran.append(name)
                 if name == _layers.SentinelLayer.name:
                     self._sentinel = layer
         except BaseException:
@@ -194,6 +197,7 @@ class SyncCheck:
         found: list[SyncRecord] = []
         for name in self._probes():
             found.extend(_layers.STEP_PROBES[name]().probe(step_fn))
+            self.ran.append(name)
         self.records.extend(found)
         return found
 

@@ -176,7 +176,7 @@ def _store(item, checks) -> None:
     if not checks:
         return
     records = [r.to_dict() for c in checks for r in c.records]
-    layers = sorted({n for c in checks for n in c.layer_names})
+    layers = sorted({n for c in checks for n in c.ran})
     item.user_properties.append((PROPERTY, {"records": records, "layers": layers,
                                             "regions": len(checks)}))
 

@@ -133,8 +133,9 @@ class SyncRecord:
     thread: str = ""
     detail: str = ""
     attribution: str = "op"
-    """Whose line `location` is: "op" (the syncing call's own line) or "region" (the line that
-    entered the checked region, when the layer could not see the call's Python stack)."""
+    """Whose line `location` is: "op" (the syncing call's own line), "function" (the start of
+    the user function around a call the layer saw without its line, e.g. an extension's), or
+    "region" (the line that entered the checked region, when the layer saw no Python frame)."""
 
     @classmethod
     def at(cls, kind: str, layer: str, op: str, frame: Frame, detail: str = "",
@@ -154,7 +155,8 @@ class SyncRecord:
     def format(self) -> str:
         code = f": {self.code}" if self.code else ""
         detail = f" ({self.detail})" if self.detail else ""
-        where = " (line of the checked region)" if self.attribution == "region" else ""
+        where = {"region": " (line of the checked region)",
+                 "function": " (start of the function around it)"}.get(self.attribution, "")
         return (f"[{self.layer}] {self.kind} {self.op} at {self.location}{where} in {self.function}"
                 f"{code}  [thread {self.thread}]{detail}")
 

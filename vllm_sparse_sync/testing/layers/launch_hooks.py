@@ -3,12 +3,13 @@ argument (the kernel may write any of them), and the launch itself runs with the
 paused (the interpreter's own host copies are emulation, not the caller's host reads).
 
 `kernel[grid](...)` goes through `KernelInterface.__getitem__`; the hook wraps it once per
-process and costs one thread-local lookup per launch when no sentinel runs on the thread.
+process, as soon as Triton is imported (checked when a watcher starts and on each torch call
+it sees: a kernel module calls torch before it launches), and costs one thread-local lookup per
+launch when no sentinel runs on the thread. Triton is never imported here.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 import threading
 from typing import Protocol
@@ -60,20 +61,22 @@ def _wrap_getitem(orig):
     return __getitem__
 
 
+def installed() -> bool:
+    return _installed
+
+
 def install() -> bool:
-    """Hook Triton's launch entry (imports Triton when it is installed); False without Triton."""
+    """Hook Triton's launch entry if Triton is imported; False while it is not."""
     global _installed
     if _installed:
         return True
-    if "triton" not in sys.modules and importlib.util.find_spec("triton") is None:
+    jit = sys.modules.get("triton.runtime.jit")  # never imported here: that runs under torch modes
+    KernelInterface = getattr(jit, "KernelInterface", None)
+    if KernelInterface is None:
         return False
     with _lock:
         if _installed:
             return True
-        try:
-            from triton.runtime.jit import KernelInterface
-        except Exception:  # a broken or partial Triton: nothing launches through it
-            return False
         classes = [KernelInterface, *_subclasses(KernelInterface)]
         for cls in classes:
             orig = cls.__dict__.get("__getitem__")

@@ -4,6 +4,12 @@ Counts `cudaStreamSynchronize`, `cudaDeviceSynchronize`, `cudaEventSynchronize`,
 `cudaMemcpy*` and pageable memcpys from any library (extensions included), inside a
 `record_function` region; the profiler's own closing device sync falls outside that region
 and is not counted.
+
+Attribution: the profiler's Python events name functions, not lines, so each torch call in the
+region runs inside a profiler range that names its user frame; a sync under such a range gets
+the call's own line ("op"). A sync with no torch call above it (an extension's) gets the user
+function around it from the Python tracer ("function"), else the line that entered the region
+("region").
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ SYNC_CALLS = {
 _SYNC_MEMCPY = re.compile(r"^(cudaMemcpy(2D|3D|Peer|ToSymbol|FromSymbol)?|cuMemcpy(DtoH|HtoD|DtoD)?(_v2)?)$")
 _PROFILER_WARNINGS = r"torch\.(autograd\.)?profiler.*"
 _STACK_ENTRY = re.compile(r"^(?P<file>.*)\((?P<line>\d+)\): (?P<func>.*)$")
+OP_MARK = "vllm_sparse_sync::op#"
 
 
 def classify_call(name: str) -> str | None:
@@ -71,31 +78,65 @@ def _root(evt):
     return evt
 
 
-def _attribution(evt) -> tuple[Frame | None, str]:
-    """The user frame of the nearest ancestor op with a Python stack, and that op's name."""
-    node = getattr(evt, "cpu_parent", None)
+def _mark_index(name: str) -> int | None:
+    if name.startswith(OP_MARK):
+        try:
+            return int(name[len(OP_MARK):])
+        except ValueError:
+            return None
+    return None
+
+
+def _attribution(evt, op_frames: dict[int, Frame], marks: list) -> tuple[Frame | None, str, str]:
+    """(user frame, name of the nearest op above `evt`, "op" | "function" | "region").
+
+    The nearest op-mark range or Python stack above `evt` (by parent links, else an op-mark
+    range around it in time on the same thread) names the torch call's own line; else a
+    Python-tracer event names the function around it.
+    """
+    node = evt
     op = ""
+    function = None
     while node is not None:
-        if (not op and not node.name.startswith(("cuda", "cu")) and node.name != REGION
-                and not getattr(node, "is_python_function", False)):
-            op = node.name
-        frame = _frame_from_stack(getattr(node, "stack", None))
-        if frame is None and getattr(node, "is_python_function", False):
-            frame = _frame_from_stack([node.name])  # a Python-tracer event: "file(line): func"
+        name = node.name
+        i = _mark_index(name)
+        if i is not None and i in op_frames:
+            return op_frames[i], op, "op"
+        if (node is not evt and not op and not name.startswith(("cuda", "cu")) and name != REGION
+                and i is None and not getattr(node, "is_python_function", False)):
+            op = name
+        stacked = _frame_from_stack(getattr(node, "stack", None))  # real lines (legacy profiler)
+        if stacked is not None:
+            return stacked, op, "op"
+        if function is None and getattr(node, "is_python_function", False):
+            function = _frame_from_stack([name])  # a Python-tracer event: "file(def line): func"
+        node = getattr(node, "cpu_parent", None)
+    start = evt.time_range.start
+    around = [m for m in marks if m.thread == evt.thread
+              and m.time_range.start <= start <= m.time_range.end]
+    if around:
+        inner = max(around, key=lambda m: m.time_range.start)
+        frame = op_frames.get(_mark_index(inner.name))
         if frame is not None:
-            return frame, op
-        node = node.cpu_parent
-    return None, op
+            return frame, op, "op"
+    if function is not None:
+        return function, op, "function"
+    return None, op, "region"
 
 
 def _is_device_event(evt) -> bool:
     return "CUDA" in str(getattr(evt, "device_type", ""))
 
 
-def records_from_events(events, *, fallback: Frame = UNKNOWN,
-                        thread_names: dict | None = None) -> list[SyncRecord]:
-    """Sync records from profiler FunctionEvents, counting only calls inside the region."""
+def records_from_events(events, *, fallback: Frame = UNKNOWN, thread_names: dict | None = None,
+                        op_frames: dict[int, Frame] | None = None) -> list[SyncRecord]:
+    """Sync records from profiler FunctionEvents, counting only calls inside the region.
+
+    `op_frames`: the user frame of each op-mark range (`OP_MARK` + index).
+    """
     events = list(events)
+    op_frames = op_frames or {}
+    marks = [e for e in events if e.name.startswith(OP_MARK) and not _is_device_event(e)]
     regions = [e for e in events if e.name == REGION and not _is_device_event(e)]
     if not regions:
         return []
@@ -114,26 +155,43 @@ def records_from_events(events, *, fallback: Frame = UNKNOWN,
         kind = classify_call(e.name)
         if kind is None:
             continue
-        frame, op = _attribution(e)
-        detail = "" if frame else "no Python stack for this call (an extension's?)"
+        frame, op, how = _attribution(e, op_frames, marks)
+        detail = "" if frame else "no Python frame for this call (an extension's?)"
         synced_roots.add(id(_root(e)))
         out.append(SyncRecord.at(kind, LAYER, f"{e.name}" + (f" via {op}" if op else ""),
                                  frame or fallback, detail=detail,
-                                 thread=names.get(e.thread, str(e.thread)),
-                                 attribution="op" if frame else "region"))
+                                 thread=names.get(e.thread, str(e.thread)), attribution=how))
     for e in events:
         if _is_device_event(e) or not inside(e) or e.name == REGION:
             continue
         pageable = [k for k in getattr(e, "kernels", ()) or () if "Pageable" in k.name]
         if not pageable or id(_root(e)) in synced_roots:
             continue
-        frame = _frame_from_stack(e.stack) or _attribution(e)[0]
+        frame, _, how = _attribution(e, op_frames, marks)
         for k in pageable:
             out.append(SyncRecord.at(PAGEABLE_MEMCPY, LAYER, f"{k.name} via {e.name}",
                                      frame or fallback, thread=names.get(e.thread, str(e.thread)),
-                                     detail="" if frame else "no Python stack for this copy",
-                                     attribution="op" if frame else "region"))
+                                     detail="" if frame else "no Python frame for this copy",
+                                     attribution=how))
     return out
+
+
+def _op_mark_mode(frames: dict[int, Frame]):
+    """A torch function mode that runs each torch call inside a range named after its frame."""
+    from torch.autograd.profiler import record_function
+    from torch.overrides import TorchFunctionMode
+
+    class _OpMarks(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if getattr(func, "__name__", "") == "__get__":
+                return func(*args, **kwargs)
+            i = len(frames)
+            frames[i] = user_frame()
+            with record_function(f"{OP_MARK}{i}"):
+                return func(*args, **kwargs)
+
+    return _OpMarks()
 
 
 class RuntimeApiLayer:
@@ -147,6 +205,8 @@ class RuntimeApiLayer:
         self.with_stack = with_stack
         self._prof = None
         self._region = None
+        self._marks = None
+        self._op_frames: dict[int, Frame] = {}
         self._entry = UNKNOWN
 
     @classmethod
@@ -174,6 +234,8 @@ class RuntimeApiLayer:
             self._prof.__enter__()
         self._region = record_function(REGION)
         self._region.__enter__()
+        self._marks = _op_mark_mode(self._op_frames)
+        self._marks.__enter__()
 
     def stop(self) -> list[SyncRecord]:
         import threading
@@ -181,6 +243,9 @@ class RuntimeApiLayer:
         if self._prof is None:
             return []
         try:
+            if self._marks is not None:
+                self._marks.__exit__(None, None, None)
+                self._marks = None
             self._region.__exit__(None, None, None)
         finally:
             with warnings.catch_warnings():
@@ -190,4 +255,5 @@ class RuntimeApiLayer:
                 events = self._prof.events()
         self._prof = None
         names = {getattr(t, "native_id", None): t.name for t in threading.enumerate()}
-        return records_from_events(events, fallback=self._entry, thread_names=names)
+        return records_from_events(events, fallback=self._entry, thread_names=names,
+                                   op_frames=self._op_frames)

@@ -198,6 +198,8 @@ class _ReadMode(TorchFunctionMode):
         name = getattr(func, "__name__", "")
         if layer.paused or name in _PASS_THROUGH:
             return func(*args, **kwargs)
+        if not launch_hooks.installed():
+            launch_hooks.install()
         taint = layer.taint
         kind = _classify(name, args, kwargs, taint)
         if kind is not None:
