@@ -95,7 +95,7 @@ OPS: tuple[Op, ...] = (
     Op("Event.synchronize()", True, _event_sync, False),
     Op("Stream.synchronize()", True, lambda x: torch.cuda.current_stream().synchronize(), False),
     Op("ctypes cudaStreamSynchronize", True, ext_stream_sync, False),
-    Op("pageable non_blocking H2D", None, _pageable_h2d, False),
+    Op("pageable non_blocking H2D", None, _pageable_h2d),
     Op("multinomial(n=1)", None, lambda x: torch.multinomial(x.float(), 1), False),
     Op("arith + cumsum", False, lambda x: torch.cumsum(x * 2 + 1, 0)),
     Op("topk", False, lambda x: torch.topk(x, 3)),
