@@ -1,15 +1,18 @@
 """Decode indexer benchmark on one GPU: our Triton scorer, top-k and whole step beside the peers.
 
     python benchmarks/indexer.py [--out benchmarks/results/NAME.json] [--shapes 1x4096,64x65536]
-                                 [--peers-only] [--no-peers] [--config score_tile=64,...]
-                                 [--topk-algos radix,sample]
+                                 [--peers-only] [--no-peers] [--config topk.algo=radix,...]
+                                 [--topk-algos radix,sample] [--baseline results/OLD.json]
     python benchmarks/indexer.py --combine A.json B.json --out C.json   # merge runs, print table
 
-Times are medians of CUDA-graph replays (per-call = replay time / calls per graph) with inputs
-rotated over enough copies that one graph's inputs exceed L2. Shapes are DESIGN.md section 6
-(H=64, D=128, k=2048). Peers are measured when the checkout holds ``.peers/`` (DeepGEMM paged
-MQA logits) or ``.peers_topk/`` (vLLM top-k ops), made by ``../shared/peers/prepare.sh``;
-both folders do not fit one device transfer, so each may come from a separate run (--combine).
+Our step runs on a workspace sized for a serving runner (``SERVING_ROWS`` rows, 128K wide), so
+the route each call takes is the planner's choice for the call's own rows. ``--baseline`` prints
+each shape's step time over a committed run's. Times are medians of CUDA-graph replays (per-call
+= replay time / calls per graph) with inputs rotated over enough copies that one graph's inputs
+exceed L2. Shapes are docs/design.md's (H=64, D=128, k=2048). Peers are measured when the
+checkout holds ``.peers/`` (DeepGEMM paged MQA logits) or ``.peers_topk/`` (vLLM top-k ops),
+made by ``../shared/peers/prepare.sh``; both folders do not fit one device transfer, so each may
+come from a separate run (--combine).
 """
 
 from __future__ import annotations
@@ -23,7 +26,6 @@ import statistics
 import sys
 import tarfile
 import tempfile
-from dataclasses import replace
 
 import torch
 
@@ -31,14 +33,27 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from vllm_sparse_sync.kernels import reference as ref  # noqa: E402
+from vllm_sparse_sync.kernels.config import (  # noqa: E402
+    DEFAULT_CONFIG,
+    KernelConfig,
+    parse_assignments,
+)
+from vllm_sparse_sync.kernels.route import DeviceInfo, plan_route  # noqa: E402
 from vllm_sparse_sync.kernels.synth import random_k_cache  # noqa: E402
-from vllm_sparse_sync.kernels.workspace import DEFAULT_CONFIG, IndexerTopkWorkspace  # noqa: E402
+from vllm_sparse_sync.kernels.workspace import IndexerTopkWorkspace  # noqa: E402
 
 SHAPES = [(1, 4096), (1, 65536), (1, 131072), (8, 65536), (32, 16384), (32, 65536),
           (64, 16384), (64, 65536), (128, 8192)]
 H, D, PAGE, TOPK, WIDE = 64, 128, 64, 2048, 131072
 L2_BYTES = 160 * 2**20  # what one graph's rotated inputs should exceed (H200 L2 is ~50-60 MB)
 DEV = "cuda"
+SERVING_ROWS = 256  # the step's workspace capacity: a serving runner's, whatever the call's rows
+
+
+def unfused_splits(B: int, L: int, config: KernelConfig) -> int:
+    """Scorer programs per row of the unfused route for B rows."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    return plan_route(B, L, PAGE, DeviceInfo(sms, cooperative=False), config).score_splits
 
 
 def timeit(make_call, ncalls: int, iters: int = 15) -> float:
@@ -122,13 +137,14 @@ def bench_ours(inp: Inputs, ncalls: int, config, res: dict, algos: tuple[str, ..
     from vllm_sparse_sync.kernels.triton_scorer import launch_score
 
     B, L = inp.B, inp.L
-    ws = IndexerTopkWorkspace(B, TOPK, WIDE, DEV, config=config)
+    ws = IndexerTopkWorkspace(max(B, SERVING_ROWS), TOPK, WIDE, DEV, config=config)
     out = torch.empty(B, TOPK, dtype=torch.int32, device=DEV)
     active = torch.tensor([L], dtype=torch.int32, device=DEV)
+    splits = unfused_splits(B, L, config)
 
     def scorer(i):  # the step's scorer alone: live columns only, no histogram
         return lambda: launch_score(*inp.args(i), None, ws.logits, page_size=PAGE,
-                                    sel_width=L, fill_width=0, splits=ws.score_splits(B), config=config)
+                                    sel_width=L, fill_width=0, splits=splits, config=config.scorer)
 
     def step(i, width, act=None):
         return lambda: tk.indexer_topk(*inp.args(i, width == WIDE), TOPK, active_width=act, width=width,
@@ -136,17 +152,17 @@ def bench_ours(inp: Inputs, ncalls: int, config, res: dict, algos: tuple[str, ..
 
     res["scorer_us"] = timeit(scorer, ncalls)
     # the same step with the fp8 tensor-core dot (DeepGEMM's numerics) instead of the exact fp16 one
-    cfg8 = replace(config, precise=0)
+    cfg8 = config.with_values(**{"scorer.precise": False})
     ws8 = IndexerTopkWorkspace(B, TOPK, L, DEV, config=cfg8)
     res["scorer_fp8_us"] = timeit(lambda i: lambda: launch_score(
         *inp.args(i), None, ws8.logits, page_size=PAGE, sel_width=L, fill_width=0,
-        splits=ws8.score_splits(B), config=cfg8), ncalls)
+        splits=splits, config=cfg8.scorer), ncalls)
     res["step_fp8_us"] = timeit(lambda i: lambda: tk.indexer_topk(
         *inp.args(i), TOPK, width=L, workspace=ws8, out=out), ncalls)
     res["step_us"] = timeit(lambda i: step(i, L), ncalls)
-    res["route"] = "fused" if ws.fused_plan(B, PAGE) is not None else "unfused"
+    res["route"] = ws.route(B, L, PAGE).kind
     if res["route"] == "fused":  # the same step as score-then-select launches, for comparison
-        ws_u = IndexerTopkWorkspace(B, TOPK, WIDE, DEV, config=replace(config, fused_max_rows=0))
+        ws_u = IndexerTopkWorkspace(B, TOPK, WIDE, DEV, config=config.with_values(**{"fused.enabled": False}))
         res["step_unfused_us"] = timeit(lambda i: lambda: tk.indexer_topk(
             *inp.args(i), TOPK, width=L, workspace=ws_u, out=out), ncalls)
     res["step_wide_host_us"] = timeit(lambda i: step(i, WIDE), ncalls)
@@ -161,8 +177,8 @@ def bench_ours(inp: Inputs, ncalls: int, config, res: dict, algos: tuple[str, ..
     res["dense_scorer_us"] = timeit(lambda i: lambda: tk.paged_indexer_logits(
         *inp.args(i), L, out=logits[i % nl], config=config), ncalls)
     # the other top-k algorithms: top-k alone and the whole step (``topk_<algo>_us``, ``step_<algo>_us``)
-    for algo in (a for a in algos if a != config.topk_algo):
-        cfg_a = replace(config, topk_algo=algo, fused_max_rows=0)
+    for algo in (a for a in algos if a != config.topk.algo):
+        cfg_a = config.with_values(**{"topk.algo": algo, "fused.enabled": False})
         tws_a = IndexerTopkWorkspace(B, TOPK, 0, DEV, config=cfg_a)
         res[f"topk_{algo}_us"] = timeit(lambda i, w=tws_a: lambda: tk.topk_indices(
             logits[i % nl], inp.lens, TOPK, workspace=w, out=out), ncalls)
@@ -171,7 +187,8 @@ def bench_ours(inp: Inputs, ncalls: int, config, res: dict, algos: tuple[str, ..
             *inp.args(i), TOPK, width=L, workspace=w, out=out), ncalls)
         mine = tk.topk_indices(logits[0], inp.lens, TOPK, workspace=tws)
         theirs = tk.topk_indices(logits[0], inp.lens, TOPK, workspace=tws_a)
-        res[f"topk_{algo}_check"] = "ok" if torch.equal(mine, theirs) else "differs"
+        same = torch.equal(mine.sort(dim=1).values, theirs.sort(dim=1).values)  # a set per row
+        res[f"topk_{algo}_check"] = "ok" if same else "differs"
     res["torch_topk_us"] = timeit(lambda i: lambda: out.copy_(
         torch.topk(logits[i % nl], TOPK, dim=1).indices), min(ncalls, 24))
     # correctness of this run's step (row 0 .. 1), against our dense logits
@@ -181,8 +198,8 @@ def bench_ours(inp: Inputs, ncalls: int, config, res: dict, algos: tuple[str, ..
     dense = tk.paged_indexer_logits(*inp.args(0), L)
     rows = min(B, 2)
     bad = topk_violations(got[:rows], dense[:rows], inp.lens[:rows], TOPK, tol=1e-3)
-    res["step_check"] = "ok" if not bad else bad[0]
-    res["fused_stalls"] = int(ws.fused_stall.item())  # barriers that gave up waiting (must be 0)
+    res["fused_stalls"] = ws.stalled_rows()  # rows whose barriers gave up (marked -1): must be 0
+    res["step_check"] = "ok" if not bad and not res["fused_stalls"] else (bad or ["stalled rows"])[0]
     if B * L <= 65536:  # the torch reference scorer (Python loop over rows, host syncs): eager timing
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         ref.paged_indexer_logits(*inp.args(0), L)
@@ -310,11 +327,23 @@ def combine(paths: list[str]) -> dict:
     return dict(runs=[r.get("meta", {}) for r in runs], copy_tbs=bw, shapes=shapes)
 
 
-def parse_config(text: str):
-    if not text:
-        return DEFAULT_CONFIG
-    kv = dict(item.split("=") for item in text.split(","))
-    return replace(DEFAULT_CONFIG, **{k: int(v) if v.lstrip("-").isdigit() else v for k, v in kv.items()})
+def parse_config(text: str) -> KernelConfig:
+    """``"topk.algo=radix,scorer.precise=false"`` over the defaults."""
+    return DEFAULT_CONFIG.with_values(**parse_assignments(text)) if text else DEFAULT_CONFIG
+
+
+def compare(rows: list[dict], baseline_path: str) -> str:
+    """Each shape's step time over the baseline run's (``step_us`` and ``step_wide_*``)."""
+    base = {(r["B"], r["L"]): r for r in json.load(open(baseline_path))["shapes"]}
+    lines = ["| B | L | route | step_us | baseline | ratio | wide/exact |",
+             "|---:|---:|---|---:|---:|---:|---:|"]
+    for r in rows:
+        b = base.get((r["B"], r["L"]), {})
+        if "step_us" not in r or "step_us" not in b:
+            continue
+        lines.append(f"| {r['B']} | {r['L']} | {r.get('route', '-')} | {r['step_us']:.1f} | "
+                     f"{b['step_us']:.1f} | {r['step_us'] / b['step_us']:.2f} | {r['wide_over_exact']:.3f} |")
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -328,7 +357,13 @@ def main() -> None:
     ap.add_argument("--topk-algos", default="radix,sample",
                     help="top-k algorithms to time besides the config's (topk_<algo>_us, step_<algo>_us)")
     ap.add_argument("--combine", nargs="*")
+    ap.add_argument("--baseline", default="", help="a committed run to compare each shape's step time with")
     a = ap.parse_args()
+    if not torch.cuda.is_available() and not a.combine:
+        print("error: benchmarks/indexer.py times CUDA kernels and needs a CUDA device "
+              f"(torch {torch.__version__}: {'no device visible' if torch.version.cuda else 'a CPU build'})",
+              file=sys.stderr)
+        sys.exit(2)
     if a.combine:
         data = combine(a.combine)
         print(table(data["shapes"]))
@@ -340,13 +375,13 @@ def main() -> None:
         shapes = [tuple(int(x) for x in s.split("x")) for s in a.shapes.split(",")]
     config = parse_config(a.config)
     if a.config_file and os.path.exists(a.config_file):
-        config = replace(DEFAULT_CONFIG, **json.load(open(a.config_file)))
+        config = KernelConfig.from_dict(json.load(open(a.config_file)))
     dg = None if a.no_peers else load_deepgemm()
     vt = None if a.no_peers else load_vllm_topk()
     bw = copy_tbs()
     meta = dict(device=torch.cuda.get_device_name(0), torch=torch.__version__,
-                config=config.__dict__, deepgemm=dg is not None, vllm_topk=vt is not None,
-                ours=not a.peers_only)
+                config=config.to_dict(), serving_rows=SERVING_ROWS, deepgemm=dg is not None,
+                vllm_topk=vt is not None, ours=not a.peers_only)
     print(json.dumps(dict(copy_tbs=round(bw, 3), **meta)), flush=True)
     rows = []
     for B, L in shapes:
@@ -373,6 +408,8 @@ def main() -> None:
             os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
             json.dump(dict(meta=meta, copy_tbs=bw, shapes=rows), open(a.out, "w"), indent=1)
     print(table(rows))
+    if a.baseline:
+        print(compare(rows, a.baseline))
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import replace
 
 import torch
 
@@ -17,13 +16,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from indexer import DEV, TOPK, Inputs  # noqa: E402
 
 from vllm_sparse_sync.kernels import triton_ops as tk  # noqa: E402
-from vllm_sparse_sync.kernels.workspace import DEFAULT_CONFIG, IndexerTopkWorkspace  # noqa: E402
+from vllm_sparse_sync.kernels.config import DEFAULT_CONFIG  # noqa: E402
+from vllm_sparse_sync.kernels.workspace import IndexerTopkWorkspace  # noqa: E402
 
 
 def main() -> None:
     B, L = (int(x) for x in (sys.argv[1] if len(sys.argv) > 1 else "64x65536").split("x"))
     inp = Inputs(B, L, 1)
-    cfg8 = replace(DEFAULT_CONFIG, precise=0)
+    cfg8 = DEFAULT_CONFIG.with_values(**{"scorer.precise": False})
     ws = IndexerTopkWorkspace(B, TOPK, L, DEV)
     logits = tk.paged_indexer_logits(*inp.args(0), L)
     logits8 = tk.paged_indexer_logits(*inp.args(0), L, config=cfg8)

@@ -14,23 +14,22 @@ import json
 import math
 import os
 import sys
-from dataclasses import asdict, replace
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from indexer import DEV, L2_BYTES, PAGE, TOPK, Inputs, timeit  # noqa: E402
+from indexer import DEV, L2_BYTES, PAGE, TOPK, Inputs, timeit, unfused_splits  # noqa: E402
 
-from vllm_sparse_sync.kernels.workspace import DEFAULT_CONFIG, IndexerTopkWorkspace  # noqa: E402
+from vllm_sparse_sync.kernels.config import DEFAULT_CONFIG  # noqa: E402
+from vllm_sparse_sync.kernels.workspace import IndexerTopkWorkspace  # noqa: E402
 
-SCORER = [dict(), dict(precise=0), dict(score_stages=2), dict(score_stages=3), dict(score_stages=6),
-          dict(score_ctas_per_sm=2), dict(score_ctas_per_sm=8), dict(score_warps=8),
-          dict(score_page_pairs=1), dict(score_page_pairs=1, score_warps=8),
-          dict(score_page_pairs=1, score_stages=2), dict(score_page_pairs=1, precise=0)]
-TOPKS = [dict(), dict(topk_algo="radix"), dict(topk_algo="sample"),
-         dict(topk_algo="sample", topk_resolve_warps=16),
-         dict(topk_algo="sample", topk_resolve_block=4096, topk_resolve_warps=16),
-         dict(topk_algo="sample", topk_sample_above=4096), dict(topk_algo="sample", topk_ctas_per_sm=8)]
+# variants as "family.field" -> value over the defaults
+SCORER = [{}, {"scorer.precise": False}, {"scorer.stages": 2}, {"scorer.stages": 3}, {"scorer.stages": 6},
+          {"scorer.ctas_per_sm": 2}, {"scorer.ctas_per_sm": 8}, {"scorer.warps": 8}, {"scorer.tile": 128}]
+TOPKS = [{}, {"topk.algo": "radix"}, {"topk.algo": "sample"},
+         {"topk.algo": "sample", "topk.resolve_warps": 16},
+         {"topk.algo": "sample", "topk.resolve_block": 4096, "topk.resolve_warps": 16},
+         {"topk.algo": "sample", "topk.sample_above": 4096}, {"topk.algo": "sample", "topk.ctas_per_sm": 8}]
 
 
 def run_variant(inp, kind: str, v: dict, ncalls: int) -> dict:
@@ -40,7 +39,7 @@ def run_variant(inp, kind: str, v: dict, ncalls: int) -> dict:
     from vllm_sparse_sync.kernels.verify import topk_violations
 
     B, L = inp.B, inp.L
-    cfg = replace(DEFAULT_CONFIG, **v)
+    cfg = DEFAULT_CONFIG.with_values(**v)
     ws = IndexerTopkWorkspace(B, TOPK, L, DEV, config=cfg)
     out = torch.empty(B, TOPK, dtype=torch.int32, device=DEV)
     res = dict(B=B, L=L, kind=kind, variant=v)
@@ -49,7 +48,7 @@ def run_variant(inp, kind: str, v: dict, ncalls: int) -> dict:
         if kind == "scorer":
             res["us"] = timeit(lambda i: lambda: launch_score(
                 *inp.args(i), None, ws.logits, page_size=PAGE, sel_width=L, fill_width=0,
-                splits=ws.score_splits(B), config=cfg), ncalls)
+                splits=unfused_splits(B, L, cfg), config=cfg.scorer), ncalls)
             res["tbs"] = B * L * 132 / (res["us"] * 1e-6) / 1e12
         else:
             copies = [dense] + [dense.clone() for _ in range(max(1, min(ncalls, 8)) - 1)]
@@ -74,9 +73,9 @@ def pick_best(results: list[dict]) -> dict:
             return float("inf")
         return sum(r[key] for r in rs)
 
-    scorer = min((v for v in SCORER if v.get("precise", 1)), key=lambda v: total("scorer", "us", v))
+    scorer = min((v for v in SCORER if v.get("scorer.precise", True)), key=lambda v: total("scorer", "us", v))
     topk = min(TOPKS, key=lambda v: total("topk", "topk_us", v))
-    return asdict(replace(DEFAULT_CONFIG, **scorer, **topk))
+    return DEFAULT_CONFIG.with_values(**scorer, **topk).to_dict()
 
 
 def main() -> None:

@@ -36,10 +36,10 @@ def test_audit_fails_when_a_path_reads_device_data():
 def test_cpu_stand_ins_never_share_storage_with_their_host_twins():
     import torch
 
-    from vllm_sparse_sync.audit import _make_case
+    from vllm_sparse_sync.scenarios import make_case
 
     for path in AUDIT_PATHS:
-        b = _make_case(path, torch.device("cpu"), torch.Generator().manual_seed(0)).batch
+        b = make_case(path, torch.device("cpu"), torch.Generator().manual_seed(0)).batch
         host = b.query_start_loc_cpu.untyped_storage().data_ptr()
         assert b.query_start_loc.untyped_storage().data_ptr() != host
 

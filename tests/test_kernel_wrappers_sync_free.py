@@ -21,21 +21,22 @@ triton = pytest.importorskip("triton")
 from vllm_sparse_sync.kernels import dispatch  # noqa: E402
 from vllm_sparse_sync.kernels import reference as ref  # noqa: E402
 from vllm_sparse_sync.kernels import triton_ops as tk  # noqa: E402
+from vllm_sparse_sync.kernels.config import FusedConfig, KernelConfig, TopkConfig  # noqa: E402
 from vllm_sparse_sync.kernels.synth import make_case  # noqa: E402
 from vllm_sparse_sync.kernels.verify import topk_violations  # noqa: E402
-from vllm_sparse_sync.kernels.workspace import IndexerTopkWorkspace, KernelConfig  # noqa: E402
+from vllm_sparse_sync.kernels.workspace import IndexerTopkWorkspace  # noqa: E402
 from vllm_sparse_sync.testing import device_tensors, no_host_sync  # noqa: E402
 
 pytestmark = [pytest.mark.interpret, pytest.mark.skipif(CUDA, reason=SKIP_WITH_CUDA)]
 
 PAGE = 64
+_SMALL = dict(cap=128, sample_above=128, samples=64, block=64, resolve_block=64)
+_UNFUSED = FusedConfig(enabled=False)
 CONFIGS = {
-    "radix": KernelConfig(topk_algo="radix", fused_max_rows=0),
-    "sample": KernelConfig(topk_algo="sample", topk_cap=128, topk_sample_above=128, topk_samples=64,
-                           topk_block=64, topk_resolve_block=64, fused_max_rows=0),
-    "auto": KernelConfig(topk_sample_min_rows=3, topk_cap=128, topk_sample_above=128,
-                         topk_samples=64, topk_block=64, topk_resolve_block=64, fused_max_rows=0),
-    "fused": KernelConfig(fused_resolve_block=64),
+    "radix": KernelConfig(topk=TopkConfig(algo="radix"), fused=_UNFUSED),
+    "sample": KernelConfig(topk=TopkConfig(algo="sample", **_SMALL), fused=_UNFUSED),
+    "auto": KernelConfig(topk=TopkConfig(sample_min_rows=3, **_SMALL), fused=_UNFUSED),
+    "fused": KernelConfig(fused=FusedConfig(resolve_block=64)),
 }
 ENTRIES = ("write_index_k_cache", "paged_indexer_logits", "topk_indices", "indexer_topk")
 
@@ -164,8 +165,8 @@ def test_a_wrapper_that_reads_its_output_back_is_caught(monkeypatch):
     _stub_launches(monkeypatch)
     orig = tk._launch_topk
 
-    def checking(logits, row_lens, active_width, ws, out, k, width):
-        orig(logits, row_lens, active_width, ws, out, k, width)
+    def checking(route, logits, row_lens, active_width, ws, out, k, width):
+        orig(route, logits, row_lens, active_width, ws, out, k, width)
         assert int(out.min()) >= -1  # planted: a host read of the kernel's output
 
     monkeypatch.setattr(tk, "_launch_topk", checking)

@@ -30,19 +30,18 @@ def _ops():
 ALGOS = ["radix", "sample", "fused"]
 # step configurations by name; "sample_small": candidates for rows of 2K+ (the default: 8K+);
 # "fused": the default, one fused launch for calls of <= 8 rows (the others run score, then top-k)
-TOPK_CFG = {"radix": dict(topk_algo="radix", fused_max_rows=0),
-            "sample": dict(topk_algo="sample", fused_max_rows=0),
-            "sample_small": dict(topk_algo="sample", topk_cap=2048, topk_sample_above=2048, topk_samples=512,
-                                 fused_max_rows=0),
-            "fused": dict(fused_max_keys=4096)}  # fused up to 8 rows of a 128K capacity
+TOPK_CFG = {"radix": {"topk.algo": "radix", "fused.enabled": False},
+            "sample": {"topk.algo": "sample", "fused.enabled": False},
+            "sample_small": {"topk.algo": "sample", "topk.cap": 2048, "topk.sample_above": 2048,
+                             "topk.samples": 512, "fused.enabled": False},
+            "fused": {"fused.max_keys": 4096}}  # fused up to 8 rows of a 128K capacity
 
 
 def _ws(rows, k, width=0, algo="radix"):
-    from dataclasses import replace
+    from vllm_sparse_sync.kernels.config import DEFAULT_CONFIG
+    from vllm_sparse_sync.kernels.workspace import IndexerTopkWorkspace
 
-    from vllm_sparse_sync.kernels.workspace import DEFAULT_CONFIG, IndexerTopkWorkspace
-
-    return IndexerTopkWorkspace(rows, k, width, DEV, config=replace(DEFAULT_CONFIG, **TOPK_CFG[algo]))
+    return IndexerTopkWorkspace(rows, k, width, DEV, config=DEFAULT_CONFIG.with_values(**TOPK_CFG[algo]))
 
 
 def _assert_reset(ws):
@@ -116,7 +115,7 @@ def test_indexer_topk_bounds(heads, k, bound, algo):
         "active_128k": (131072, _active(max(lens))),
     }[bound]
     ws = _ws(len(lens), k, width, algo)
-    assert (ws.fused_plan(len(lens), 64) is not None) == (algo == "fused")
+    assert ws.route(len(lens), width, 64).fused == (algo == "fused")
     got = _ops().indexer_topk(*case.args, k, active_width=active, width=width, workspace=ws)
     logits = ref.paged_indexer_logits(*case.args, width, active_width=active)
     eff = ref.effective_lengths(case.row_lens, width, active)
@@ -280,21 +279,20 @@ def test_capture_write_index_k_cache():
 
 
 @pytest.mark.parametrize(
-    "variant", [dict(precise=0), dict(score_prefetch=1), dict(score_scalar_page=0),
-                dict(score_page_pairs=1), dict(score_page_pairs=1, precise=0),
-                dict(score_tile=128, topk_block=512), dict(topk_algo="sample"),
-                dict(topk_algo="sample", topk_cap=4096, topk_samples=512, topk_resolve_block=1024,
-                     topk_resolve_warps=4), dict(topk_algo="sample", topk_sample_above=2048),
-                dict(fused_max_rows=8), dict(fused_max_rows=8, precise=0),
-                dict(fused_max_rows=8, fused_warps=8, fused_stages=2, fused_ctas_per_sm=2)]
+    "variant", [{"scorer.precise": False}, {"scorer.tile": 32}, {"scorer.stages": 2},
+                {"scorer.tile": 128, "topk.block": 512}, {"topk.algo": "sample"},
+                {"topk.algo": "sample", "topk.cap": 4096, "topk.samples": 512, "topk.resolve_block": 1024,
+                 "topk.resolve_warps": 4}, {"topk.algo": "sample", "topk.sample_above": 2048},
+                {"fused.enabled": True}, {"fused.enabled": True, "scorer.precise": False},
+                {"fused.enabled": True, "fused.warps": 8, "fused.stages": 2, "fused.ctas_per_sm": 2}],
+    ids=lambda v: ",".join(f"{k}={x}" for k, x in v.items()),
 )
 def test_config_variants(variant):
     """Other fixed configurations: fp8 tensor-core dot (looser scores), Triton pipeliner, tiles."""
-    from dataclasses import replace
+    from vllm_sparse_sync.kernels.config import DEFAULT_CONFIG
+    from vllm_sparse_sync.kernels.workspace import IndexerTopkWorkspace
 
-    from vllm_sparse_sync.kernels.workspace import DEFAULT_CONFIG, IndexerTopkWorkspace
-
-    cfg = replace(DEFAULT_CONFIG, **{"fused_max_rows": 0, **variant})
+    cfg = DEFAULT_CONFIG.with_values(**{"fused.enabled": False, **variant})
     k = 1024
     lens = [0, 1000, 1025, 30000, 64 * 200]
     case = make_case(lens, heads=64, device=DEV, seed=13)
@@ -304,7 +302,7 @@ def test_config_variants(variant):
     dense = _ops().paged_indexer_logits(*case.args, width, config=cfg)
     want = ref.paged_indexer_logits(*case.args, width)
     scale = float(want[torch.isfinite(want)].abs().max())
-    atol = 3e-3 * scale if not cfg.precise else 1e-3
+    atol = 3e-3 * scale if not cfg.scorer.precise else 1e-3
     torch.testing.assert_close(dense, want, rtol=1e-4, atol=atol)
     eff = ref.effective_lengths(case.row_lens, width)
     assert topk_violations(got, dense, eff, k, tol=_tol(dense)) == []
@@ -320,7 +318,7 @@ def test_fused_step_shapes_and_both_contracts(rows, heads, k):
     case = make_case(lens, heads=heads, table_pages=2048, device=DEV, seed=rows * 7 + k)
     for width, active in [(max(lens), None), (131072, None), (131072, _active(max(lens)))]:
         ws = _ws(rows, k, width, "fused")
-        assert ws.fused_plan(rows, 64) is not None
+        assert ws.route(rows, width, 64).fused
         got = _ops().indexer_topk(*case.args, k, active_width=active, width=width, workspace=ws)
         dense = _ops().paged_indexer_logits(*case.args, width, active_width=active)
         eff = ref.effective_lengths(case.row_lens, width, active)

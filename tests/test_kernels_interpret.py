@@ -19,12 +19,15 @@ triton = pytest.importorskip("triton")
 
 from vllm_sparse_sync.kernels import reference as ref  # noqa: E402
 from vllm_sparse_sync.kernels import triton_ops as tk  # noqa: E402
+from vllm_sparse_sync.kernels.config import (  # noqa: E402
+    FusedConfig,
+    KernelConfig,
+    ScorerConfig,
+    TopkConfig,
+)
 from vllm_sparse_sync.kernels.synth import make_case  # noqa: E402
 from vllm_sparse_sync.kernels.verify import topk_violations  # noqa: E402
-from vllm_sparse_sync.kernels.workspace import (  # noqa: E402
-    IndexerTopkWorkspace,
-    KernelConfig,
-)
+from vllm_sparse_sync.kernels.workspace import IndexerTopkWorkspace  # noqa: E402
 
 pytestmark = [
     pytest.mark.interpret,
@@ -33,22 +36,22 @@ pytestmark = [
 
 
 # "sample" shrunk so small rows take every path: candidates (n > 128), whole row, fallback
-SMALL_SAMPLE = KernelConfig(topk_algo="sample", topk_cap=128, topk_sample_above=128, topk_samples=64,
-                            topk_block=64, topk_resolve_block=64, fused_max_rows=0)
-ALGOS = {"radix": KernelConfig(topk_algo="radix", fused_max_rows=0), "sample": SMALL_SAMPLE}
-FUSED = KernelConfig(fused_resolve_block=64)  # the fused step; candidates over several iterations
+UNFUSED = FusedConfig(enabled=False)
+SMALL_TOPK = TopkConfig(algo="sample", cap=128, sample_above=128, samples=64, block=64, resolve_block=64)
+SMALL_SAMPLE = KernelConfig(topk=SMALL_TOPK, fused=UNFUSED)
+ALGOS = {"radix": KernelConfig(topk=TopkConfig(algo="radix"), fused=UNFUSED), "sample": SMALL_SAMPLE}
+FUSED = KernelConfig(fused=FusedConfig(resolve_block=64))  # candidates over several iterations
 
 
-def test_auto_algorithm_follows_the_static_row_count():
-    cfg = KernelConfig()  # default: "auto"
-    assert cfg.topk_algo == "auto"
-    assert cfg.topk_algo_for(cfg.topk_sample_min_rows - 1) == "radix"
-    assert cfg.topk_algo_for(cfg.topk_sample_min_rows) == "sample"
+def _sample_cfg(**topk) -> KernelConfig:
+    return replace(SMALL_SAMPLE, topk=replace(SMALL_TOPK, **topk))
+
+
+def test_workspace_holds_sample_buffers_only_when_a_call_can_route_there():
+    cfg = KernelConfig()  # default: "auto", sample from 32 rows
     small = IndexerTopkWorkspace(8, 16, 0, "cpu", num_sms=4)
-    big = IndexerTopkWorkspace(cfg.topk_sample_min_rows, 16, 0, "cpu", num_sms=4)
+    big = IndexerTopkWorkspace(cfg.topk.sample_min_rows, 16, 0, "cpu", num_sms=4)
     assert small.cand_key.numel() == 0 and big.cand_key.numel() > 0
-    with pytest.raises(ValueError, match="topk_algo"):
-        KernelConfig(topk_algo="bitonic")
 
 
 def _eff(case, width, active=None):
@@ -68,10 +71,10 @@ def test_write_index_k_cache_matches_reference():
     assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("heads, scalar_page, pairs", [(16, 1, 0), (32, 1, 0), (16, 0, 0), (16, 1, 1)])
-def test_dense_logits_match_reference_with_holes_and_bounds(heads, scalar_page, pairs):
-    # one-page tiles (one or two per iteration) or gathered tiles
-    cfg = KernelConfig(score_scalar_page=scalar_page, score_page_pairs=pairs)
+@pytest.mark.parametrize("heads, tile", [(16, 64), (32, 64), (16, 32), (16, 128)])
+def test_dense_logits_match_reference_with_holes_and_bounds(heads, tile):
+    # one-page tiles (a scalar page id) or gathered tiles (a tile of half a page, or of two)
+    cfg = KernelConfig(scorer=ScorerConfig(tile=tile))
     # lengths: 0, page multiple, partial page, longer than the table (clamped)
     case = make_case([0, 128, 77, 190], heads=heads, table_pages=3, seed=2)
     case.block_table[2, 1] = -1  # a hole inside the live range scores -inf
@@ -125,7 +128,7 @@ def test_indexer_topk_both_host_contracts(bound, algo):
     }[bound]
     cfg = FUSED if algo == "fused" else ALGOS[algo]
     ws = IndexerTopkWorkspace(len(lens), k, width, "cpu", num_sms=5 if algo != "fused" else 16, config=cfg)
-    assert (ws.fused_plan(len(lens), 64) is not None) == (algo == "fused")
+    assert ws.route(len(lens), width, 64).fused == (algo == "fused")
     got = tk.indexer_topk(*case.args, k, active_width=active, width=width, workspace=ws)
     logits = ref.paged_indexer_logits(*case.args, width, active_width=active)
     assert topk_violations(got, logits, _eff(case, width, active), k, tol=1e-3) == []
@@ -180,9 +183,9 @@ def _sample_topk(logits, lens, k, active=None, cfg=SMALL_SAMPLE):
     for r in range(rows):
         assert set(got[r].tolist()) == set(want[r].tolist()), f"row {r}"
     assert torch.equal(got, tk.topk_indices(logits, lens, k, active_width=active, workspace=ws))
-    chunks = ws.topk_chunks(rows)
+    chunks = ws.route(rows, width, 1, score=False).topk_chunks
     c = ws.chunk_cnt[: rows * chunks].view(rows, chunks).sum(1).tolist()
-    cap, smin = cfg.topk_cap, cfg.topk_sample_above
+    cap, smin = cfg.topk.cap, cfg.topk.sample_above
     paths = ["short" if n <= k else "row" if n <= smin else "cand" if k <= cc <= cap else "fallback"
              for n, cc in zip(eff.tolist(), c)]
     return got, paths
@@ -197,7 +200,7 @@ def test_sample_topk_random_rows_take_every_path():
     _, paths = _sample_topk(logits, lens, k)
     assert paths[:3] == ["short"] * 3 and "row" in paths and "cand" in paths and "fallback" in paths
     # rows from 41 sampled (below the capacity)
-    _, paths = _sample_topk(logits, lens, k, cfg=replace(SMALL_SAMPLE, topk_sample_above=40))
+    _, paths = _sample_topk(logits, lens, k, cfg=_sample_cfg(sample_above=40))
     assert paths[4] == "cand"
 
 
@@ -224,7 +227,7 @@ def test_sample_topk_threshold_misses_fall_back():
     logits[1] = torch.rand(n1, generator=g) * 0.01
     logits[1, 101:101 + k + 50] = 10.0 + torch.rand(k + 50, generator=g)
     lens = torch.tensor([n0, n1], dtype=torch.int32)
-    cfg = replace(SMALL_SAMPLE, topk_samples=S, topk_block=256, topk_resolve_block=512)
+    cfg = _sample_cfg(samples=S, block=256, resolve_block=512)
     _, paths = _sample_topk(logits, lens, k, cfg=cfg)
     assert paths == ["fallback", "fallback"]
 
@@ -247,7 +250,7 @@ def _fused_step(case, k, width, active=None, cfg=FUSED, num_sms=16):
     """The fused step on ``case``, checked against the reference; returns it and its workspace."""
     rows = case.row_lens.shape[0]
     ws = IndexerTopkWorkspace(rows, k, width, "cpu", num_sms=num_sms, config=cfg)
-    assert ws.fused_plan(rows, 64) is not None
+    assert ws.route(rows, width, 64).fused
     got = tk.indexer_topk(*case.args, k, active_width=active, width=width, workspace=ws)
     logits = ref.paged_indexer_logits(*case.args, width, active_width=active)
     assert topk_violations(got, logits, _eff(case, width, active), k, tol=1e-3) == []
@@ -287,32 +290,37 @@ def test_fused_step_one_part_per_row_and_bound_far_above():
     # 4 slots for 4 rows: each row is one program holding every tile; the host width is 8x the rows
     k = 32
     case = make_case([0, 33, 128, 500], heads=32, table_pages=64, seed=14)
-    one = KernelConfig(fused_ctas_per_sm=1, fused_max_keys=4096, fused_resolve_block=64)
+    one = KernelConfig(fused=FusedConfig(ctas_per_sm=1, max_keys=4096, resolve_block=64))
     _, ws = _fused_step(case, k, 64 * 64, cfg=one, num_sms=4)
-    assert ws.fused_plan(4, 64) == (1, 64)
+    route = ws.route(4, 64 * 64, 64)
+    assert (route.fused_parts, route.fused_tiles) == (1, 64)
     _fused_step(case, k, 64 * 64, active=torch.tensor([130], dtype=torch.int32), cfg=one, num_sms=4)
 
 
-def test_fused_plan_comes_from_static_capacities():
-    from vllm_sparse_sync.kernels.triton_fused import fused_plan
+def test_a_stalled_row_is_marked_and_reported():
+    """A row whose barrier gave up is written all -1 by its resolve, and health says so."""
+    from vllm_sparse_sync import IndexerLayout, IndexerStep
 
-    # 132 SMs: one row spreads over 128 parts of 16 tiles; 8 rows over 16 parts of 128 tiles
-    assert fused_plan(1, 131072, 64, 132, 1, 16384) == (128, 16)
-    assert fused_plan(8, 131072, 64, 132, 1, 16384) == (16, 128)
-    assert fused_plan(8, 262144, 64, 132, 1, 16384) == (16, 256)  # 16384 keys per part: the most
-    assert fused_plan(8, 262145, 64, 132, 1, 16384) is None  # 512 tiles of keys per part: too many
-    assert fused_plan(8, 131072, 64, 132, 2, 4096) == (32, 64)  # the default: 2 programs per SM
-    assert fused_plan(1, 131072, 64, 132, 2, 4096) == (128, 16)  # at most 128 programs per row
-    assert fused_plan(1, 131072, 64, 132, 4, 4096, max_parts=512) == (512, 4)
-    assert fused_plan(200, 4096, 64, 132, 1, 16384) is None  # more rows than resident programs
-    assert fused_plan(2, 0, 64, 132, 1, 16384) is None
-    for rows, width in [(1, 4096), (3, 100000), (8, 8192), (5, 64)]:
-        parts, nsub = fused_plan(rows, width, 64, 132, 1, 16384)
-        assert rows * parts <= 132 and parts * nsub * 64 >= width
-    cfg = KernelConfig()
-    assert IndexerTopkWorkspace(9, 16, 4096, "cpu", num_sms=132).fused_plan(9, 64) is None
-    assert IndexerTopkWorkspace(8, 16, 0, "cpu", num_sms=132).fused_plan(8, 64) is None
-    assert IndexerTopkWorkspace(8, 16, 4096, "cpu", num_sms=132).fused_plan(8, 64) is not None
-    assert cfg.fused_max_rows == 8
-    with pytest.raises(ValueError, match="fused_max_keys"):
-        KernelConfig(fused_max_keys=1000)
+    k = 16
+    case = make_case([300, 200], heads=16, table_pages=5, seed=15)
+    ws = IndexerTopkWorkspace(2, k, 320, "cpu", num_sms=16, config=FUSED)
+    ws.fused_stall[1] = 1  # what a barrier that gave up leaves behind
+    got = tk.indexer_topk(*case.args, k, width=320, workspace=ws)
+    assert got[1].tolist() == [-1] * k  # marked, not silently wrong
+    want = ref.indexer_topk(*case.args, k, width=320)
+    assert set(got[0].tolist()) == set(want[0].tolist())
+    assert ws.stalled_rows() == 1
+    step = IndexerStep(IndexerLayout(backend="deepgemm", topk=k, max_model_len=320), max_rows=2,
+                       max_pages_per_req=5, device="cpu")
+    assert step.health().ok  # the reference route never stalls
+
+
+def test_nan_scores_rank_below_every_number():
+    logits = torch.tensor([[0.1, float("nan"), 0.5, float("-inf"), -3.0]])
+    lens = torch.tensor([5], dtype=torch.int32)
+    for algo, cfg in ALGOS.items():
+        ws = IndexerTopkWorkspace(1, 4, 0, "cpu", num_sms=4, config=cfg)
+        got = tk.topk_indices(logits, lens, 4, workspace=ws)
+        assert set(got[0].tolist()) == {0, 2, 3, 4}, algo
+    assert ref.topk_indices(logits, lens, 2).tolist() == [[2, 0]]
+    assert ref.topk_indices(logits, lens, 4).tolist() == [[2, 0, 4, 3]]

@@ -3,6 +3,7 @@
 from .bounds import BoundSource, DecodeTopkBound, SeqLenShadow, decode_topk_bound
 from .layout import IndexerBackend, IndexerLayout
 from .metadata import DecodeBatch, IndexerDecodeMetadata, IndexerMetadataBuilder
+from .step import IndexerStep, StepHealth
 
 __version__ = "0.1.0"
 
@@ -14,6 +15,8 @@ __all__ = [
     "IndexerDecodeMetadata",
     "IndexerLayout",
     "IndexerMetadataBuilder",
+    "IndexerStep",
     "SeqLenShadow",
+    "StepHealth",
     "decode_topk_bound",
 ]

@@ -8,6 +8,7 @@ length (exact sources equal it), top-k with the bound equals top-k with the exac
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import sys
@@ -16,24 +17,13 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from . import kernels
-from .bounds import BoundSource, SeqLenShadow
-from .layout import IndexerBackend, IndexerLayout
-from .lengths import dcp_localize, kernel_lengths, per_token_lengths_host
+from .bounds import DecodeTopkBound
 from .metadata import DecodeBatch, IndexerMetadataBuilder
+from .scenarios import PATHS, DecodePath, make_case, make_step_inputs
+from .step import IndexerStep
 
-
-@dataclass(frozen=True)
-class AuditPath:
-    """One decode path: a layout plus how the batch's host shadow looks."""
-
-    name: str
-    layout: IndexerLayout
-    query_lens: tuple[int, ...]
-    authoritative: bool = True
-    dcp_local_shadow: bool = False
-    capture: bool = False
-    expected_source: BoundSource = BoundSource.CPU_EXACT
+AuditPath = DecodePath  # the audit's name for a scenario
+AUDIT_PATHS = PATHS
 
 
 @dataclass(frozen=True)
@@ -54,88 +44,7 @@ class AuditRow:
     """The seed of the batch this row reports (the first failing one, else the widest)."""
 
 
-def _layout(backend: IndexerBackend, *, ratio: int = 1, world: int = 1, rank: int = 0,
-            topk: int = 256) -> IndexerLayout:
-    return IndexerLayout(backend=backend, compress_ratio=ratio, dcp_world_size=world, dcp_rank=rank,
-                         page_size=64, topk=topk, num_heads=64, head_dim=128, max_model_len=8192)
-
-
-B12X, DG = IndexerBackend.B12X, IndexerBackend.DEEPGEMM
-S = BoundSource
-
-AUDIT_PATHS: tuple[AuditPath, ...] = (
-    AuditPath("b12x-compressed", _layout(B12X, ratio=4, topk=128), (1, 1, 1, 1),
-              expected_source=S.ACTIVE_WIDTH),
-    AuditPath("b12x-uncompressed", _layout(B12X), (1, 1, 1, 1), expected_source=S.CPU_EXACT),
-    AuditPath("b12x-uncompressed-dcp2", _layout(B12X, world=2, rank=1), (1, 1, 1),
-              dcp_local_shadow=True, expected_source=S.CPU_DCP_LOCAL),
-    AuditPath("b12x-uncompressed-async-spec", _layout(B12X), (3, 3, 3), authoritative=False,
-              expected_source=S.ACTIVE_WIDTH),
-    AuditPath("deepgemm-compressed", _layout(DG, ratio=4, topk=128), (1, 1, 1, 1),
-              expected_source=S.METADATA_UPPER_BOUND),
-    AuditPath("deepgemm-uncompressed", _layout(DG), (1, 1, 1, 1), expected_source=S.CPU_EXACT),
-    AuditPath("deepgemm-uncompressed-async-spec", _layout(DG), (2, 2, 2), authoritative=False,
-              expected_source=S.METADATA_UPPER_BOUND),
-    AuditPath("mtp-ragged", _layout(B12X), (1, 4, 2, 3), expected_source=S.CPU_EXACT),
-    AuditPath("capture", _layout(DG), (1, 1, 1, 1), capture=True,
-              expected_source=S.CAPTURE_STABLE),
-)
-
 HostReadCounter = Callable[[IndexerMetadataBuilder, DecodeBatch], tuple[int, str]]
-
-
-@dataclass
-class _Case:
-    batch: DecodeBatch
-    true_lens: list[int]
-    kernel_rows: list[int]
-
-
-def _make_case(path: AuditPath, device: torch.device, gen: torch.Generator) -> _Case:
-    """A random decode batch for ``path``; device lengths exact, the shadow per the path."""
-    lay = path.layout
-    n = len(path.query_lens)
-    max_seq_len = int(torch.randint(lay.max_model_len // 4, lay.max_model_len // 2, (1,), generator=gen))
-    true_lens = [int(torch.randint(max(q, max_seq_len // 8), max_seq_len + 1, (1,), generator=gen))
-                 for q in path.query_lens]
-    if path.authoritative:
-        true_lens[0] = max_seq_len  # the scheduler's bound is the exact max when exact
-    shadow_lens = list(true_lens)
-    if not path.authoritative:  # optimistic: every draft accepted
-        shadow_lens = [min(t + q - 1, max_seq_len) for t, q in zip(true_lens, path.query_lens)]
-        true_lens = [max(s - (q - 1) * (i % 2), q) for i, (s, q)
-                     in enumerate(zip(shadow_lens, path.query_lens))]
-    starts = [0]
-    for q in path.query_lens:
-        starts.append(starts[-1] + q)
-    qsl_cpu = torch.tensor(starts, dtype=torch.int32)
-    per_token = per_token_lengths_host(true_lens, list(path.query_lens))
-    rows = [kernel_lengths(t, lay.compress_ratio, lay.dcp_world_size, lay.dcp_rank, lay.cp_interleave)
-            for t in per_token]
-    bound_rows = kernel_lengths(max_seq_len, lay.compress_ratio, lay.dcp_world_size, lay.dcp_rank,
-                                lay.cp_interleave) + 1
-    pages = math.ceil(bound_rows / lay.page_size) + 1
-    block_table = torch.full((n, pages), -1, dtype=torch.int32)
-    perm = torch.randperm(n * pages, generator=gen).to(torch.int32)
-    for i, length in enumerate(true_lens):
-        live = math.ceil(kernel_lengths(length, lay.compress_ratio, lay.dcp_world_size, lay.dcp_rank,
-                                        lay.cp_interleave) / lay.page_size)
-        block_table[i, :live] = perm[i * pages: i * pages + live]
-    local = None
-    if path.dcp_local_shadow:
-        local = torch.tensor([dcp_localize(s, lay.dcp_world_size, lay.dcp_rank, lay.cp_interleave)
-                              for s in shadow_lens], dtype=torch.int32)
-    shadow = SeqLenShadow(torch.tensor(shadow_lens, dtype=torch.int32), path.authoritative, local)
-    # copy=True: a CPU stand-in for a device tensor is never its host twin itself
-    batch = DecodeBatch(
-        query_start_loc=qsl_cpu.to(device, copy=True),
-        query_start_loc_cpu=qsl_cpu,
-        seq_lens=torch.tensor(true_lens, dtype=torch.int32).to(device, copy=True),
-        shadow=shadow,
-        block_table=block_table.to(device, copy=True),
-        max_seq_len=max_seq_len,
-    )
-    return _Case(batch, true_lens, rows)
 
 
 def harness_host_reads(builder: IndexerMetadataBuilder, batch: DecodeBatch) -> tuple[int, str]:
@@ -145,24 +54,22 @@ def harness_host_reads(builder: IndexerMetadataBuilder, batch: DecodeBatch) -> t
     return host_reads(builder, batch)
 
 
-def _topk(path: AuditPath, inputs: tuple, meta_rows, width: int) -> torch.Tensor:
-    q, w, cache, bt = inputs
-    lay = path.layout
-    if lay.backend is IndexerBackend.B12X:  # live-window clamp on the device
-        active = torch.full((1,), width, dtype=torch.int32, device=q.device)
-        return kernels.indexer_topk(q, w, cache, bt, meta_rows, lay.topk, active_width=active)
-    return kernels.indexer_topk(q, w, cache, bt, meta_rows, lay.topk, width=width)
+def _exact_meta(meta, exact: int):
+    """``meta`` with its bound (host width and device clamp) replaced by the exact maximum."""
+    active = torch.full_like(meta.active_width, exact)
+    return dataclasses.replace(meta, bound=DecodeTopkBound(exact, meta.bound.source), active_width=active)
 
 
-def audit_batch(path: AuditPath, device: torch.device, *, seed: int = 0,
+def audit_batch(path: DecodePath, device: torch.device, *, seed: int = 0,
                 host_reads: HostReadCounter = harness_host_reads) -> AuditRow:
     """Run one random batch of one path and check its invariants."""
     gen = torch.Generator().manual_seed(seed)
-    case = _make_case(path, device, gen)
+    case = make_case(path, device, gen)
     lay = path.layout
     n_rows = len(case.kernel_rows)
     builder = IndexerMetadataBuilder(lay, max_num_reqs=8, max_num_tokens=max(16, n_rows),
                                      max_pages_per_req=case.batch.block_table.shape[1], device=device)
+    step = IndexerStep.for_builder(builder)
     if path.capture:
         captured = builder.build_for_capture(len(path.query_lens), n_rows)
         bound = captured.bound
@@ -182,21 +89,18 @@ def audit_batch(path: AuditPath, device: torch.device, *, seed: int = 0,
         problems.append("exact source differs from the exact maximum")
     if reads:
         problems.append(f"host read during build(): {why}")
-    q = (torch.randn(n_rows, lay.num_heads, lay.head_dim, generator=gen)).to(torch.float8_e4m3fn)
-    w = torch.randn(n_rows, lay.num_heads, generator=gen)
-    pages_total = case.batch.block_table.numel()
-    k = torch.randn(pages_total * lay.page_size, lay.head_dim, generator=gen)
-    k8, ks = kernels.quantize_index_k(k)
-    cache = torch.zeros(pages_total, lay.page_size * (lay.head_dim + 4), dtype=torch.uint8)
-    kernels.write_index_k_cache(cache, k8, ks, torch.arange(k.shape[0], dtype=torch.int64))
-    inputs = (q.to(device), w.to(device), cache.to(device), meta.block_table)
-    with_bound = _topk(path, inputs, meta.row_lens, bound.value)
-    with_exact = _topk(path, inputs, meta.row_lens, exact)
-    # the same positions per row; their order follows the kernel's work split, which may follow
-    # the width (the fused step's plan), so rows compare as sorted sets
+    inp = make_step_inputs(path, case, device, gen)
+    bound_meta = dataclasses.replace(meta, bound=bound, active_width=torch.full_like(meta.active_width,
+                                                                                      bound.value))
+    with_bound = step.run(bound_meta, inp.q_fp8, inp.weights, inp.k_cache).clone()
+    with_exact = step.run(_exact_meta(meta, exact), inp.q_fp8, inp.weights, inp.k_cache)
+    # the same positions per row (the contract is a set per row)
     match = torch.equal(with_bound.cpu().sort(dim=1).values, with_exact.cpu().sort(dim=1).values)
     if not match:
         problems.append("top-k with the bound differs from top-k with the exact bound")
+    health = step.health()
+    if not health.ok:
+        problems.append(f"{health.stalled_rows} stalled rows in the fused step")
     return AuditRow(path=path.name, bound_source=bound.source.value, bound=bound.value, exact_max=exact,
                     widening=round(bound.value / exact, 3) if exact else math.inf, topk_match=match,
                     host_reads=reads, ok=not problems, detail="; ".join(problems), seed=seed)

@@ -1,5 +1,6 @@
 """Indexer kernels: fp8 paged scorer, top-k, K-cache writer; see ``reference`` for semantics."""
 
+from .config import DEFAULT_CONFIG, FusedConfig, KernelConfig, ScorerConfig, TopkConfig
 from .dispatch import (
     indexer_topk,
     make_workspace,
@@ -8,8 +9,17 @@ from .dispatch import (
     write_index_k_cache,
 )
 from .reference import quantize_index_k
+from .route import DeviceInfo, Route, plan_route
 
 __all__ = [
+    "DEFAULT_CONFIG",
+    "DeviceInfo",
+    "FusedConfig",
+    "KernelConfig",
+    "Route",
+    "ScorerConfig",
+    "TopkConfig",
+    "plan_route",
     "indexer_topk",
     "make_workspace",
     "paged_indexer_logits",

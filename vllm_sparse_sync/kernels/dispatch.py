@@ -68,10 +68,11 @@ def indexer_topk(q_fp8, weights, k_cache, block_table, row_lens, k, *, active_wi
     return _finish(res, out)
 
 
-def make_workspace(rows: int, k: int, width: int = 0, device="cuda"):
+def make_workspace(rows: int, k: int, width: int = 0, device="cuda", config=None):
     """An ``IndexerTopkWorkspace`` for CUDA devices; ``None`` elsewhere (the reference needs none)."""
     if torch.device(device).type != "cuda":
         return None
+    from .config import DEFAULT_CONFIG
     from .workspace import IndexerTopkWorkspace
 
-    return IndexerTopkWorkspace(rows, k, width, device)
+    return IndexerTopkWorkspace(rows, k, width, device, config=config or DEFAULT_CONFIG)

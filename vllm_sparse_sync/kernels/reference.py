@@ -9,11 +9,18 @@ those of DESIGN.md section 4:
 * ``logit[r, t] = k_scale[t] * sum_h w[r, h] * relu(q[r, h, :] . k[t, :])``, fp32.
 * A position is live when ``t < min(row_len[r], active_width[0], pages * page_size)`` and its
   page id is in ``[0, num_pages)``; other positions score ``-inf``.
-* Top-k: ``int32 [rows, k]``, valid entries first (score descending, ties to the lower
-  position), ``-1`` padding; a row of effective length ``<= k`` gives exactly ``0..len-1``.
+* Top-k: ``int32 [rows, k]``, the set of the ``k`` best positions first, then ``-1``
+  padding; a row of effective length ``<= k`` gives exactly ``0..len-1``. Scores order as the
+  sortable int32 keys of the Triton kernels (``sortable_keys``): NaN below every number, ``-0.0``
+  below ``+0.0``; ties at the k-th score go to the lower positions. Here valid entries come in
+  descending key order; other routes may order them otherwise (the contract is the set).
+* K-cache writes skip slots ``< 0`` and slots past the cache, on every route.
 """
 
 from __future__ import annotations
+
+import operator
+import os
 
 import torch
 
@@ -22,9 +29,54 @@ FP8_MAX = 448.0
 SCALE_BYTES = 4
 
 
+DEVICE_CHECKS_ENV = "VLLM_SPARSE_SYNC_DEVICE_CHECKS"
+
+
 def _check(cond: bool, name: str, what: str) -> None:
     if not cond:
         raise ValueError(f"{name}: {what}")
+
+
+def _host_int(name: str, value: object, low: int) -> int:
+    """``value`` as a host int ``>= low``: TypeError for non-integers (floats, bools, tensors)."""
+    if isinstance(value, bool) or isinstance(value, torch.Tensor):
+        raise TypeError(f"{name}: must be a host int, got {type(value).__name__}")
+    try:
+        v = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name}: must be an int, got {value!r}") from None
+    if v < low:
+        raise ValueError(f"{name}: must be >= {low}, got {v}")
+    return v
+
+
+def check_k(k: object) -> int:
+    """The top-k as a positive host int."""
+    return _host_int("k", k, 1)
+
+
+def check_width(width: object) -> int:
+    """A logits width as a host int ``>= 0``."""
+    return _host_int("width", width, 0)
+
+
+def device_checks_enabled() -> bool:
+    """Whether the opt-in device-side assertions run (``VLLM_SPARSE_SYNC_DEVICE_CHECKS=1``)."""
+    return os.environ.get(DEVICE_CHECKS_ENV, "") == "1"
+
+
+def device_check_slots(slot_mapping: torch.Tensor, num_slots: int) -> None:
+    """Opt-in device-side assertion that every non-negative slot lies in the cache (no sync)."""
+    if device_checks_enabled() and slot_mapping.numel():
+        ok = ((slot_mapping < 0) | (slot_mapping < num_slots)).all()
+        torch._assert_async(ok, f"slot_mapping: a slot lies past the cache of {num_slots} slots")
+
+
+def sortable_keys(x: torch.Tensor) -> torch.Tensor:
+    """int32 keys ordered as the float32 scores: the Triton kernels' ``sortable_key``."""
+    bits = x.float().contiguous().view(torch.int32)
+    keys = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    return torch.where(torch.isnan(x), torch.full_like(keys, -(2**31)), keys)
 
 
 def page_bytes(page_size: int, head_dim: int = 128) -> int:
@@ -48,9 +100,17 @@ def quantize_index_k(k: torch.Tensor, *, pow2_scale: bool = True) -> tuple[torch
     ``scale = max(amax, 1e-4) / 448``, rounded up to a power of two when ``pow2_scale`` (ue8m0,
     as vLLM stores it); ``k ~= k_fp8 * scale``.
     """
+    _check(isinstance(k, torch.Tensor), "k", f"must be a tensor, got {type(k).__name__}")
     _check(k.dim() == 2, "k", f"must be 2-D [tokens, head_dim], got {tuple(k.shape)}")
     _check(k.is_floating_point(), "k", f"must be floating point, got {k.dtype}")
     kf = k.float()
+    finite = torch.isfinite(kf).all()
+    if kf.device.type == "cpu":
+        if not bool(finite):
+            bad = (~torch.isfinite(kf)).nonzero()[0].tolist()
+            raise ValueError(f"k: non-finite value {kf[bad[0], bad[1]].item()} at {tuple(bad)}")
+    else:  # no host read: the device asserts (asynchronously, capturable)
+        torch._assert_async(finite, "k: non-finite values (NaN or inf) in the keys to quantize")
     scale = kf.abs().amax(dim=1).clamp_min(1e-4) / FP8_MAX
     if pow2_scale:
         scale = torch.exp2(torch.ceil(torch.log2(scale)))
@@ -70,7 +130,8 @@ def split_index_k_cache(k_cache: torch.Tensor, head_dim: int = 128) -> tuple[tor
 def write_index_k_cache(
     k_cache: torch.Tensor, k_fp8: torch.Tensor, k_scale: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """Scatter quantized keys into the planar page layout, in place; slots ``< 0`` are skipped."""
+    """Scatter quantized keys into the planar page layout, in place; slots ``< 0`` or past the
+    cache are skipped."""
     _check(k_fp8.dim() == 2, "k_fp8", f"must be 2-D [tokens, head_dim], got {tuple(k_fp8.shape)}")
     head_dim = k_fp8.shape[1]
     page = page_size_of(k_cache, head_dim)
@@ -80,11 +141,10 @@ def write_index_k_cache(
            f"must be float32 [{k_fp8.shape[0]}], got {k_scale.dtype} {tuple(k_scale.shape)}")
     _check(slot_mapping.shape == (k_fp8.shape[0],), "slot_mapping",
            f"must have one slot per token ({k_fp8.shape[0]}), got {tuple(slot_mapping.shape)}")
+    device_check_slots(slot_mapping, k_cache.shape[0] * page)
     slots = slot_mapping.long()
-    keep = slots >= 0
+    keep = (slots >= 0) & (slots < k_cache.shape[0] * page)
     slots, vals, scales = slots[keep], k_fp8[keep], k_scale[keep]
-    _check(bool((slots < k_cache.shape[0] * page).all()), "slot_mapping",
-           f"slot past the cache ({k_cache.shape[0]} pages of {page})")
     row_bytes = k_cache.shape[1]
     base = (slots // page) * row_bytes
     off = slots % page
@@ -107,6 +167,9 @@ def effective_lengths(
 
 
 def _check_scorer_inputs(q_fp8, weights, k_cache, block_table, row_lens, active_width) -> None:
+    for name, t in (("q_fp8", q_fp8), ("weights", weights), ("k_cache", k_cache),
+                    ("block_table", block_table), ("row_lens", row_lens)):
+        _check(isinstance(t, torch.Tensor), name, f"must be a tensor, got {type(t).__name__}")
     _check(q_fp8.dim() == 3, "q_fp8", f"must be 3-D [rows, heads, head_dim], got {tuple(q_fp8.shape)}")
     _check(q_fp8.dtype == FP8_DTYPE, "q_fp8", f"must be {FP8_DTYPE}, got {q_fp8.dtype}")
     rows, heads, _ = q_fp8.shape
@@ -133,7 +196,7 @@ def paged_indexer_logits(
 ) -> torch.Tensor:
     """Indexer scores ``fp32 [rows, width]`` over a paged fp8 K cache; ``-inf`` past live lengths."""
     _check_scorer_inputs(q_fp8, weights, k_cache, block_table, row_lens, active_width)
-    _check(int(width) >= 0, "width", f"must be >= 0, got {width}")
+    width = check_width(width)
     head_dim = q_fp8.shape[2]
     page = page_size_of(k_cache, head_dim)
     values, scales = split_index_k_cache(k_cache, head_dim)
@@ -163,7 +226,7 @@ def topk_indices(
     _check(logits.dim() == 2, "logits", f"must be 2-D [rows, width], got {tuple(logits.shape)}")
     _check(row_lens.shape == (logits.shape[0],), "row_lens",
            f"must be [rows={logits.shape[0]}], got {tuple(row_lens.shape)}")
-    _check(int(k) > 0, "k", f"must be > 0, got {k}")
+    k = check_k(k)
     rows, width = logits.shape
     out = torch.full((rows, k), -1, dtype=torch.int32, device=logits.device)
     eff = effective_lengths(row_lens, width, active_width)
@@ -171,7 +234,8 @@ def topk_indices(
         if n <= k:
             out[r, :n] = torch.arange(n, dtype=torch.int32, device=logits.device)
         else:
-            order = torch.sort(logits[r, :n].float(), descending=True, stable=True).indices
+            keys = sortable_keys(logits[r, :n])
+            order = torch.sort(keys, descending=True, stable=True).indices
             out[r] = order[:k].to(torch.int32)
     return out
 
@@ -188,9 +252,10 @@ def indexer_topk(
     width: int | None = None,
 ) -> torch.Tensor:
     """The whole decode indexer step: score, then select (``int32 [rows, k]``)."""
+    _check_scorer_inputs(q_fp8, weights, k_cache, block_table, row_lens, active_width)
+    k = check_k(k)
     page = page_size_of(k_cache, q_fp8.shape[2])
-    if width is None:
-        width = block_table.shape[1] * page
+    width = block_table.shape[1] * page if width is None else check_width(width)
     logits = paged_indexer_logits(
         q_fp8, weights, k_cache, block_table, row_lens, width, active_width=active_width
     )

@@ -1,17 +1,15 @@
 """Triton device helpers shared by the indexer kernels: live lengths, sortable keys, radix digits.
 
 Keys: a float32 score maps to an int32 whose signed order is the float order
-(``b`` if ``b >= 0`` else ``b ^ 0x7FFFFFFF`` on the float's bits). Radix passes read 8-bit
-digits from the top: pass 0 uses bits 31..24 with the sign flipped, passes 1..3 the next bytes.
+(``b`` if ``b >= 0`` else ``b ^ 0x7FFFFFFF`` on the float's bits; NaN maps below every
+number). Radix passes read 8-bit digits from the top: pass 0 uses bits 31..24 with the sign
+flipped, passes 1..3 the next bytes.
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
-
-RADIX_BINS = 256
-RADIX_PASSES = 4
 
 
 @triton.jit
@@ -27,9 +25,11 @@ def live_length(lens_ptr, active_ptr, row, sel_width, HAS_ACTIVE: tl.constexpr):
 
 @triton.jit
 def sortable_key(x):
-    """int32 key of a float32 tensor, ordered as the floats (signed compare)."""
+    """int32 key of a float32 tensor, ordered as the floats (signed compare); NaN gets the
+    smallest key, below ``-inf``."""
     b = x.to(tl.int32, bitcast=True)
-    return tl.where(b < 0, b ^ 0x7FFFFFFF, b)
+    key = tl.where(b < 0, b ^ 0x7FFFFFFF, b)
+    return tl.where(x != x, -2147483648, key)
 
 
 @triton.jit

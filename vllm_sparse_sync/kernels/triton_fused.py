@@ -1,31 +1,34 @@
 """Fused decode indexer step for small row counts: score and select in one launch.
 
 Grid ``(rows, parts)``, launched cooperatively (every program resident at once, or the launch
-fails and the warm-up call takes fewer programs per SM); ``parts`` comes from the static row
-count, the SM count and the logits capacity. Program ``(r, p)`` scores tiles ``p, p + parts,
-...`` of row ``r`` up to the row's device length and keeps their sortable keys in registers:
-scores never go to global memory. The row's programs then run two 8-bit radix passes (key
-bits 31..16): each adds its 256-bin histogram of the keys matching the prefix so far to the
-row's histogram and meets the others at a device-side barrier (an atomic counter, then a spin
-on a volatile load), after which every program reads the same digit. A third barrier
-publishes each program's counts above the 16-bit prefix of the k-th key and in it; every
-program then writes its positions above straight to the output (after those of the programs
-before it) and its keys in the prefix to the row's candidate buffer. The row's last program
-(atomic ticket) selects among the candidates by passes 2 and 3, writes them, and zeroes the
-row's histograms and counters for the next call (and graph replay). Output order is
+fails and the warm-up call takes fewer programs per SM); ``parts`` comes from the route planner
+(``route.plan_route``: the static row count, the SM count and the width bound). Program ``(r,
+p)`` scores tiles ``p, p + parts, ...`` of row ``r`` up to the row's device length and keeps
+their sortable keys in registers: scores never go to global memory. The row's programs then run
+two 8-bit radix passes (key bits 31..16): each adds its 256-bin histogram of the keys matching
+the prefix so far to the row's histogram and meets the others at a device-side barrier (an
+atomic counter, then a spin on a volatile load), after which every program reads the same digit.
+A third barrier publishes each program's counts above the 16-bit prefix of the k-th key and in
+it; every program then writes its positions above straight to the output (after those of the
+programs before it) and its keys in the prefix to the row's candidate buffer. The row's last
+program (atomic ticket) selects among the candidates by passes 2 and 3, writes them, and zeroes
+the row's histograms and counters for the next call (and graph replay). Output order is
 deterministic: keys above the prefix by (program, tile, lane), then the candidates above the
 k-th key, then its ties. Rows of length ``<= k`` get ``0..n-1`` then ``-1``.
 
-A barrier that has waited ``SPIN_LIMIT`` polls gives up and raises the workspace's stall flag.
+Programs of a cooperative launch are all resident, so every barrier completes; as a last
+resort a barrier that has polled ``SPIN_LIMIT`` times (about half an hour) gives up and raises
+its row's stall flag, and the row's resolve then writes ``-1`` over the whole row: a stalled
+row is marked, never silently wrong (``IndexerStep.health()`` reports it).
+
 Under ``TRITON_INTERPRET`` the programs run one after another and cannot wait for each other:
-the same kernel then runs as four launches (``PHASE`` 1..4), the barriers falling between them
-and the keys kept in a scratch buffer.
+the same kernel then runs as four launches (``PHASE`` 1..4, the interpreter's route; ``PHASE``
+0 on the GPU), the barriers falling between them and the keys kept in a scratch buffer.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
@@ -34,8 +37,9 @@ import triton.language as tl
 from .triton_common import lanes_where, live_length, next_prefix, pick_digit, radix_hist, sortable_key
 from .triton_scorer import load_query, page_keys, tile_scores
 from .triton_topk_sample import select_emit
+from .workspace import interpreting
 
-SPIN_LIMIT = 1 << 22  # polls before a row barrier gives up (raises the stall flag)
+SPIN_LIMIT = (1 << 31) - 1  # polls before a row barrier gives up and marks its row
 
 
 @triton.jit
@@ -72,12 +76,8 @@ def fused_step_kernel(
     K: tl.constexpr, H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, NSUB: tl.constexpr,
     PARTS_P2: tl.constexpr, HAS_ACTIVE: tl.constexpr, PRECISE: tl.constexpr,
     NUM_STAGES: tl.constexpr, PHASE: tl.constexpr, SPIN: tl.constexpr, RBLK: tl.constexpr,
-    STOP: tl.constexpr = 0,
 ):
-    """One row part's share of the fused step (``PHASE`` 0: all of it; 1..4: interpreter phases).
-
-    ``STOP`` (profiling only, output invalid): 1 ends after scoring, 2 after the two passes.
-    """
+    """One row part's share of the fused step (``PHASE`` 0: all of it; 1..4: interpreter phases)."""
     row = tl.program_id(0)
     p = tl.program_id(1)
     parts = tl.num_programs(1)
@@ -116,71 +116,52 @@ def fused_step_kernel(
                 tl.store(stash, keys)
         else:
             keys = tl.load(stash)
-        if STOP == 1:  # profiling only: keep the keys alive, skip the selection
-            tl.store(out_row + p, tl.sum(tl.where(valid, keys, 0), 0), mask=p < K)
-        else:
-            # radix passes 0 and 1 (key bits 31..16) over every part, a row barrier after each
-            for ps in tl.static_range(2):
-                if PHASE == 0 or PHASE == ps + 1:
-                    prefix, need = _row_state(hist_row, K, ps)
-                    h = radix_hist(keys, valid, prefix, ps)
-                    tl.atomic_add(hist_row + ps * 256 + bins, h, mask=h != 0, sem="relaxed")
-                if PHASE == 0:
-                    _arrive_and_wait(sync_row + ps, live_parts, stall_ptr, SPIN)
-            if STOP == 0:
-                prefix, need = _row_state(hist_row, K, 2)
-                hi = keys >> 16
-                gt = (valid & (hi > prefix)).to(tl.int32)
-                eq = (valid & (hi == prefix)).to(tl.int32)
-                cnt_row = cnt_ptr + row * parts * 2
-                if PHASE == 0 or PHASE == 3:
-                    tl.store(cnt_row + p * 2, tl.sum(gt, 0))
-                    tl.store(cnt_row + p * 2 + 1, tl.sum(eq, 0))
-                if PHASE == 0:
-                    _arrive_and_wait(sync_row + 2, live_parts, stall_ptr, SPIN)
-                if PHASE == 0 or PHASE == 4:
-                    # keys above the 16-bit prefix go straight out; those in it become candidates
-                    cc = tl.arange(0, PARTS_P2)
-                    in_c = cc < live_parts
-                    gt_c = tl.load(cnt_row + cc * 2, mask=in_c, other=0, cache_modifier=".cg")
-                    eq_c = tl.load(cnt_row + cc * 2 + 1, mask=in_c, other=0, cache_modifier=".cg")
-                    slot = tl.sum(tl.where(cc < p, gt_c, 0), 0) + tl.cumsum(gt, 0) - gt
-                    tl.store(out_row + slot, pos, mask=gt != 0)
-                    slot = tl.sum(tl.where(cc < p, eq_c, 0), 0) + tl.cumsum(eq, 0) - eq
-                    ckey_row = ckey_ptr + row.to(tl.int64) * cand_stride
-                    cpos_row = cpos_ptr + row.to(tl.int64) * cand_stride
-                    tl.store(ckey_row + slot, keys, mask=eq != 0)
-                    tl.store(cpos_row + slot, pos, mask=eq != 0)
+        # radix passes 0 and 1 (key bits 31..16) over every part, a row barrier after each
+        stall_row = stall_ptr + row
+        for ps in tl.static_range(2):
+            if PHASE == 0 or PHASE == ps + 1:
+                prefix, need = _row_state(hist_row, K, ps)
+                h = radix_hist(keys, valid, prefix, ps)
+                tl.atomic_add(hist_row + ps * 256 + bins, h, mask=h != 0, sem="relaxed")
+            if PHASE == 0:
+                _arrive_and_wait(sync_row + ps, live_parts, stall_row, SPIN)
+        prefix, need = _row_state(hist_row, K, 2)
+        hi = keys >> 16
+        gt = (valid & (hi > prefix)).to(tl.int32)
+        eq = (valid & (hi == prefix)).to(tl.int32)
+        cnt_row = cnt_ptr + row * parts * 2
+        if PHASE == 0 or PHASE == 3:
+            tl.store(cnt_row + p * 2, tl.sum(gt, 0))
+            tl.store(cnt_row + p * 2 + 1, tl.sum(eq, 0))
+        if PHASE == 0:
+            _arrive_and_wait(sync_row + 2, live_parts, stall_row, SPIN)
         if PHASE == 0 or PHASE == 4:
-            # the row's last program resolves the candidates, then resets the row's state
+            # keys above the 16-bit prefix go straight out; those in it become candidates
+            cc = tl.arange(0, PARTS_P2)
+            in_c = cc < live_parts
+            gt_c = tl.load(cnt_row + cc * 2, mask=in_c, other=0, cache_modifier=".cg")
+            eq_c = tl.load(cnt_row + cc * 2 + 1, mask=in_c, other=0, cache_modifier=".cg")
+            slot = tl.sum(tl.where(cc < p, gt_c, 0), 0) + tl.cumsum(gt, 0) - gt
+            tl.store(out_row + slot, pos, mask=gt != 0)
+            slot = tl.sum(tl.where(cc < p, eq_c, 0), 0) + tl.cumsum(eq, 0) - eq
+            ckey_row = ckey_ptr + row.to(tl.int64) * cand_stride
+            cpos_row = cpos_ptr + row.to(tl.int64) * cand_stride
+            tl.store(ckey_row + slot, keys, mask=eq != 0)
+            tl.store(cpos_row + slot, pos, mask=eq != 0)
+            # the row's last program resolves the candidates, then resets the row's state; every
+            # program's writes come before its ticket, so a stalled row's marking is the last word
             if tl.atomic_add(sync_row + 7, 1, sem="acq_rel") == live_parts - 1:
-                if STOP == 0:
-                    n_cand = tl.sum(eq_c, 0)
-                    # passes 2 and 3 over the candidates, then their positions
-                    select_emit(ckey_row, cpos_row, n_cand, out_row + (K - need), prefix, need, 2, RBLK,
-                                False)
+                n_cand = tl.sum(eq_c, 0)
+                # passes 2 and 3 over the candidates, then their positions
+                select_emit(ckey_row, cpos_row, n_cand, out_row + (K - need), prefix, need, 2, RBLK,
+                            False)
+                stalled = tl.load(stall_row, volatile=True) != 0
+                for j in range(0, K, 1024):
+                    o = j + tl.arange(0, 1024)
+                    tl.store(out_row + o, tl.full([1024], -1, tl.int32),
+                             mask=(o < K) & lanes_where(stalled, o))
                 tl.store(hist_row + tl.arange(0, 512), tl.zeros([512], dtype=tl.int32))
                 tl.store(sync_row + tl.arange(0, 8), tl.zeros([8], dtype=tl.int32))
-
-
-def fused_plan(rows: int, width: int, page: int, num_sms: int, ctas_per_sm: int, max_keys: int,
-               max_parts: int = 128):
-    """``(parts, tiles per part)`` of the fused step for a static shape, or ``None`` when it does not fit."""
-    if rows <= 0 or width <= 0 or page <= 0 or page & (page - 1):
-        return None
-    slots = num_sms * ctas_per_sm
-    if rows > slots:
-        return None
-    tiles = triton.cdiv(width, page)
-    nsub = triton.next_power_of_2(triton.cdiv(tiles, max(1, min(max_parts, slots // rows))))
-    if nsub * page > max_keys:
-        return None
-    return triton.cdiv(tiles, nsub), nsub
-
-
-def interpreting() -> bool:
-    """True when Triton runs kernels in its CPU interpreter (programs one after another)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @functools.cache
@@ -201,19 +182,16 @@ def _launch_kwargs(ctas_per_sm: int, warps: int) -> dict:
 
 
 def launch_fused_step(q_fp8, weights, k_cache, block_table, row_lens, active, out, ws, *, k, page,
-                      sel_width, plan, stop: int = 0) -> None:
-    """Launch the fused step over ``out``'s rows with ``ws``'s fused buffers.
-
-    ``stop`` (profiling only, output invalid): 1 ends after scoring, 2 after the two passes.
-    """
+                      sel_width, route) -> None:
+    """Launch the fused step of ``route`` over ``out``'s rows with ``ws``'s fused buffers."""
     rows, heads, head_dim = q_fp8.shape
-    parts, nsub = plan
+    parts, nsub = route.fused_parts, route.fused_tiles
     has_active = active is not None
-    cfg = ws.config
+    cfg = ws.config.fused
     interp = interpreting()
     phases = (1, 2, 3, 4) if interp else (0,)
     stash = ws.fused_stash(rows * parts * nsub * page) if interp else ws.fused_hist
-    extra = {} if interp else _launch_kwargs(ws.fused_ctas_per_sm, cfg.fused_warps)
+    extra = {} if interp else _launch_kwargs(ws.fused_ctas_per_sm, cfg.warps)
     for phase in phases:
         fused_step_kernel[(rows, parts)](
             q_fp8.view(torch.uint8), weights, k_cache, k_cache.view(torch.float32), block_table,
@@ -222,7 +200,6 @@ def launch_fused_step(q_fp8, weights, k_cache, block_table, row_lens, active, ou
             ws.fused_cand_key.stride(0), stash, ws.fused_stall,
             k_cache.shape[0], k_cache.stride(0), sel_width, block_table.shape[1] * page,
             K=k, H=heads, D=head_dim, PAGE=page, NSUB=nsub, PARTS_P2=triton.next_power_of_2(parts),
-            HAS_ACTIVE=has_active, PRECISE=bool(cfg.precise), NUM_STAGES=cfg.fused_stages,
-            PHASE=phase, SPIN=SPIN_LIMIT, RBLK=cfg.fused_resolve_block, STOP=stop,
-            num_warps=cfg.fused_warps, **extra,
+            HAS_ACTIVE=has_active, PRECISE=ws.config.scorer.precise, NUM_STAGES=cfg.stages,
+            PHASE=phase, SPIN=SPIN_LIMIT, RBLK=cfg.resolve_block, num_warps=cfg.warps, **extra,
         )

@@ -10,12 +10,14 @@ from __future__ import annotations
 import torch
 
 from . import reference as ref
+from .config import DEFAULT_CONFIG, KernelConfig
+from .route import SAMPLE, Route
 from .triton_cache import write_k_cache_kernel
 from .triton_fused import launch_fused_step
 from .triton_scorer import launch_score
 from .triton_topk import launch_radix_topk
 from .triton_topk_sample import launch_sample_topk
-from .workspace import DEFAULT_CONFIG, IndexerTopkWorkspace, KernelConfig
+from .workspace import IndexerTopkWorkspace
 
 _check = ref._check
 
@@ -25,7 +27,8 @@ def write_index_k_cache(
 ) -> None:
     """Scatter quantized keys into the planar page layout, in place.
 
-    Slots ``< 0`` or past the cache are skipped (no host check: the call stays capturable).
+    Slots ``< 0`` or past the cache are skipped, as in the reference (no host check: the call
+    stays capturable; ``VLLM_SPARSE_SYNC_DEVICE_CHECKS=1`` asserts on the device instead).
     """
     _check(k_fp8.dim() == 2, "k_fp8", f"must be 2-D [tokens, head_dim], got {tuple(k_fp8.shape)}")
     head_dim = k_fp8.shape[1]
@@ -39,6 +42,7 @@ def write_index_k_cache(
     tokens = k_fp8.shape[0]
     if tokens == 0:
         return
+    ref.device_check_slots(slot_mapping, k_cache.shape[0] * page)
     write_k_cache_kernel[(tokens,)](
         k_cache, k_fp8.contiguous().view(torch.uint8), k_scale.contiguous().view(torch.uint8),
         slot_mapping, k_cache.shape[0] * page, k_cache.stride(0),
@@ -82,8 +86,8 @@ def paged_indexer_logits(
     Dense semantics: the ``-inf`` fill past the live lengths costs in proportion to ``width``.
     """
     page = _check_scorer(q_fp8, weights, k_cache, block_table, row_lens, active_width)
-    width = int(width)
-    _check(width >= 0, "width", f"must be >= 0, got {width}")
+    width = ref.check_width(width)
+    _check(isinstance(config, KernelConfig), "config", f"must be a KernelConfig, got {type(config).__name__}")
     rows = q_fp8.shape[0]
     if out is None:
         out = torch.empty(rows, width, dtype=torch.float32, device=q_fp8.device)
@@ -91,11 +95,11 @@ def paged_indexer_logits(
            f"must be float32 [{rows}, {width}] with contiguous rows")
     if rows == 0 or width == 0:
         return out
-    splits = max(1, config.score_ctas_per_sm * _sms(q_fp8.device) // rows)
+    splits = max(1, config.scorer.ctas_per_sm * _sms(q_fp8.device) // rows)
     launch_score(
         q_fp8, weights, k_cache, block_table, row_lens, active_width, out, page_size=page,
         sel_width=min(width, block_table.shape[1] * page), fill_width=width, splits=splits,
-        config=config,
+        config=config.scorer,
     )
     return out
 
@@ -122,10 +126,9 @@ def _index_out(out: torch.Tensor | None, rows: int, k: int, device: torch.device
     return out
 
 
-def _launch_topk(logits, row_lens, active_width, ws, out, k, width) -> None:
-    algo = ws.config.topk_algo_for(out.shape[0])
-    launch = launch_sample_topk if algo == "sample" else launch_radix_topk
-    launch(logits, logits.stride(0), row_lens, active_width, ws, out, k, width)
+def _launch_topk(route: Route, logits, row_lens, active_width, ws, out, k, width) -> None:
+    launch = launch_sample_topk if route.kind == SAMPLE else launch_radix_topk
+    launch(logits, logits.stride(0), row_lens, active_width, ws, out, k, width, route.topk_chunks)
 
 
 def topk_indices(
@@ -143,35 +146,37 @@ def topk_indices(
            "must be float32 with contiguous rows")
     _check(row_lens.shape == (logits.shape[0],), "row_lens",
            f"must be [rows={logits.shape[0]}], got {tuple(row_lens.shape)}")
-    _check(int(k) > 0, "k", f"must be > 0, got {k}")
+    k = ref.check_k(k)
     if active_width is not None:
         _check(active_width.numel() == 1, "active_width", "must hold one element")
     rows, width = logits.shape
-    k = int(k)
     out = _index_out(out, rows, k, logits.device)
     if rows == 0:
         return out
     ws = _workspace(workspace, rows, k, 0, logits.device)
-    _launch_topk(logits, row_lens, active_width, ws, out, k, width)
+    route = ws.route(rows, width, 1, score=False)
+    _launch_topk(route, logits, row_lens, active_width, ws, out, k, width)
     return out
 
 
-def _fused_step(q_fp8, weights, k_cache, block_table, row_lens, active, out, ws, k, page, width) -> bool:
-    """Run the fused step when the workspace plans one; False when the call takes the unfused route.
+def _run_fused(q_fp8, weights, k_cache, block_table, row_lens, active, out, ws, k, page, width,
+               route: Route) -> Route:
+    """Run the fused step of ``route``; returns the route actually taken (unfused: not run).
 
     A cooperative launch the device refuses (its programs would not all be resident) lowers the
-    workspace's programs per SM and tries again, so the first (warm-up) call settles the plan.
+    workspace's programs per SM and plans again, so the first (warm-up) call settles the plan.
     """
-    while (plan := ws.fused_plan(out.shape[0], page)) is not None:
+    while route.fused:
         try:
             launch_fused_step(q_fp8, weights, k_cache, block_table, row_lens, active, out, ws,
-                              k=k, page=page, sel_width=width, plan=plan)
-            return True
+                              k=k, page=page, sel_width=width, route=route)
+            return route
         except RuntimeError as exc:
             if ws.fused_ctas_per_sm == 1 or "cooperative" not in str(exc).lower():
                 raise
             ws.fused_ctas_per_sm //= 2
-    return False
+            route = ws.route(out.shape[0], width, page)
+    return route
 
 
 def indexer_topk(
@@ -189,30 +194,28 @@ def indexer_topk(
 ) -> torch.Tensor:
     """The whole decode indexer step, score then select (``int32 [rows, k]``).
 
-    Up to ``workspace.config.fused_max_rows`` rows (a static count) it is one fused launch whose
-    scores stay in registers (``triton_fused``). Otherwise scores go to the workspace's internal
-    buffer for live columns only (nothing is filled past a row's length), then the top-k launches
-    (``workspace.config.topk_algo``) run; every route is bounded by the live lengths, whatever the
-    width.
+    The route comes from ``route.plan_route`` (the call's rows and width): up to
+    ``config.fused.max_rows`` rows it is one fused launch whose scores stay in registers
+    (``triton_fused``); otherwise scores go to the workspace's internal buffer for live columns
+    only (nothing is filled past a row's length), then the top-k launches run. Every route is
+    bounded by the live lengths, whatever the width, and selects the same positions.
     """
     page = _check_scorer(q_fp8, weights, k_cache, block_table, row_lens, active_width)
     rows = q_fp8.shape[0]
-    k = int(k)
-    _check(k > 0, "k", f"must be > 0, got {k}")
-    if width is None:
-        width = block_table.shape[1] * page
-    width = int(width)
-    _check(width >= 0, "width", f"must be >= 0, got {width}")
+    k = ref.check_k(k)
+    width = block_table.shape[1] * page if width is None else ref.check_width(width)
     out = _index_out(out, rows, k, q_fp8.device)
     if rows == 0:
         return out
     ws = _workspace(workspace, rows, k, width, q_fp8.device)
-    if _fused_step(q_fp8, weights, k_cache, block_table, row_lens, active_width, out, ws, k, page, width):
+    route = _run_fused(q_fp8, weights, k_cache, block_table, row_lens, active_width, out, ws, k, page,
+                       width, ws.route(rows, width, page))
+    if route.fused:
         return out
     logits = ws.logits
     launch_score(
         q_fp8, weights, k_cache, block_table, row_lens, active_width, logits, page_size=page,
-        sel_width=width, fill_width=0, splits=ws.score_splits(rows), config=ws.config,
+        sel_width=width, fill_width=0, splits=route.score_splits, config=ws.config.scorer,
     )
-    _launch_topk(logits, row_lens, active_width, ws, out, k, width)
+    _launch_topk(route, logits, row_lens, active_width, ws, out, k, width)
     return out

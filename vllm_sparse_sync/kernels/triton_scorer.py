@@ -9,9 +9,8 @@ eager call with a new stride compiles once: warm each captured shape first. ``PR
 (default) converts e4m3 to fp16 for the dot (exact products, fp32 accumulation, matching the
 reference to fp32 rounding); without it the dot runs on fp8 tensor cores, whose accumulation
 keeps ~14 mantissa bits (as DeepGEMM). Optionally it also fills ``-inf`` past the live length
-(dense API). By default Triton's software pipeliner overlaps the K loads (``NUM_STAGES``);
-``PREFETCH`` instead keeps the next tile's K in registers and the page ids two tiles ahead
-(measured no faster on the H200: see benchmarks/NOTES.md).
+(dense API). Triton's software pipeliner overlaps the K loads (``NUM_STAGES``). A tile of
+exactly one page loads its K from one scalar page id; other tile sizes gather per token.
 """
 
 from __future__ import annotations
@@ -97,9 +96,8 @@ def score_kernel(
     q_ptr, w_ptr, kc_ptr, ks_ptr, bt_ptr, bt_stride, lens_ptr, active_ptr, out_ptr, out_stride,
     num_pages, page_stride, sel_width, live_width, fill_width,
     H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, TILE: tl.constexpr,
-    HAS_ACTIVE: tl.constexpr, FILL_TAIL: tl.constexpr, PREFETCH: tl.constexpr,
-    NUM_STAGES: tl.constexpr, PRECISE: tl.constexpr, SCALAR_PAGE: tl.constexpr,
-    PAGE_PAIRS: tl.constexpr,
+    HAS_ACTIVE: tl.constexpr, FILL_TAIL: tl.constexpr, NUM_STAGES: tl.constexpr,
+    PRECISE: tl.constexpr, SCALAR_PAGE: tl.constexpr,
 ):
     """Scores of row ``program_id(0)``'s live positions ``t < n``; ``-inf`` for holes and past the table."""
     row = tl.program_id(0)
@@ -113,33 +111,7 @@ def score_kernel(
     out_row = out_ptr + row.to(tl.int64) * out_stride
     bt_row = bt_ptr + row.to(tl.int64) * bt_stride
     n_tiles = tl.cdiv(n, TILE)
-    if PREFETCH:
-        # registers hold the next tile's K and the page ids two tiles ahead: no dependent stall
-        page, ok = _tile_pages(bt_row, split, n_live, num_pages, PAGE, TILE)
-        kb, scale = _tile_keys(kc_ptr, ks_ptr, page, ok, split, page_stride, D, PAGE, TILE)
-        page1, ok1 = _tile_pages(bt_row, split + splits, n_live, num_pages, PAGE, TILE)
-        for tile in range(split, n_tiles, splits):
-            kb1, scale1 = _tile_keys(kc_ptr, ks_ptr, page1, ok1, tile + splits, page_stride, D, PAGE, TILE)
-            page2, ok2 = _tile_pages(bt_row, tile + 2 * splits, n_live, num_pages, PAGE, TILE)
-            v = tile_scores(kb, scale, ok, q_t, w, PRECISE)
-            pos = tile * TILE + lane
-            tl.store(out_row + pos, v, mask=pos < n)
-            kb, scale, ok = kb1, scale1, ok1
-            page1, ok1 = page2, ok2
-    elif SCALAR_PAGE and PAGE_PAIRS:
-        # two pages per iteration: two independent loads and dots in flight per stage
-        k_offs = lane[:, None] * D + dims[None, :]
-        for pair in tl.range(split, tl.cdiv(n_tiles, 2), splits, num_stages=NUM_STAGES):
-            kb0, scale0, ok0 = page_keys(kc_ptr, ks_ptr, bt_row, 2 * pair, n_live, num_pages,
-                                          page_stride, k_offs, D, PAGE)
-            kb1, scale1, ok1 = page_keys(kc_ptr, ks_ptr, bt_row, 2 * pair + 1, n_live, num_pages,
-                                          page_stride, k_offs, D, PAGE)
-            v0 = tile_scores(kb0, scale0, ok0, q_t, w, PRECISE)
-            v1 = tile_scores(kb1, scale1, ok1, q_t, w, PRECISE)
-            pos0 = 2 * pair * TILE + lane
-            tl.store(out_row + pos0, v0, mask=pos0 < n)
-            tl.store(out_row + pos0 + TILE, v1, mask=pos0 + TILE < n)
-    elif SCALAR_PAGE:
+    if SCALAR_PAGE:
         k_offs = lane[:, None] * D + dims[None, :]
         for tile in tl.range(split, n_tiles, splits, num_stages=NUM_STAGES):
             kb, scale, ok = page_keys(kc_ptr, ks_ptr, bt_row, tile, n_live, num_pages, page_stride,
@@ -165,7 +137,8 @@ def launch_score(
     q_fp8, weights, k_cache, block_table, row_lens, active, out, *, page_size, sel_width,
     fill_width, splits, config,
 ):
-    """Launch the scorer; ``out`` is ``fp32 [rows, >= sel_width]`` (written up to each row's length)."""
+    """Launch the scorer (``config``: a ``ScorerConfig``); ``out`` is ``fp32 [rows, >= sel_width]``
+    (written up to each row's length)."""
     rows, heads, head_dim = q_fp8.shape
     has_active = active is not None
     kc = k_cache
@@ -175,12 +148,9 @@ def launch_score(
         active if has_active else row_lens, out, out.stride(0),
         k_cache.shape[0], k_cache.stride(0), sel_width,
         block_table.shape[1] * page_size, fill_width,
-        H=heads, D=head_dim, PAGE=page_size, TILE=config.score_tile,
-        HAS_ACTIVE=has_active, FILL_TAIL=fill_width > 0, PREFETCH=bool(config.score_prefetch),
-        NUM_STAGES=config.score_stages, PRECISE=bool(config.precise),
-        SCALAR_PAGE=bool(config.score_scalar_page) and config.score_tile == page_size
-        and k_cache.shape[0] > 0,
-        PAGE_PAIRS=bool(config.score_page_pairs),
-        num_warps=config.score_warps,
+        H=heads, D=head_dim, PAGE=page_size, TILE=config.tile,
+        HAS_ACTIVE=has_active, FILL_TAIL=fill_width > 0, NUM_STAGES=config.stages,
+        PRECISE=config.precise, SCALAR_PAGE=config.tile == page_size and k_cache.shape[0] > 0,
+        num_warps=config.warps,
     )
 

@@ -149,22 +149,22 @@ def radix_emit_kernel(
     tl.store(tick_ptr + 4 * rows + row, 0, mask=last)
 
 
-def launch_radix_topk(x, stride_r, row_lens, active, ws, out, k, sel_width):
-    """Launch radix passes 0..3 and the emit pass for ``x`` rows on ``ws`` buffers."""
+def launch_radix_topk(x, stride_r, row_lens, active, ws, out, k, sel_width, chunks):
+    """Launch radix passes 0..3 and the emit pass for ``x`` rows on ``ws`` buffers, ``chunks``
+    programs per row (the route's)."""
     rows = out.shape[0]
-    chunks = ws.topk_chunks(rows)
+    cfg = ws.config.topk
     has_active = active is not None
     act = active if has_active else row_lens
     grid = (rows, chunks)
-    cfg = dict(num_warps=ws.topk_warps)
     for p in range(4):
         radix_pass_kernel[grid](
             x, stride_r, row_lens, act, ws.hist, ws.ticks, ws.state, ws.chunk_sfx, ws.chunk_gt,
-            sel_width, K=k, PASS=p, HAS_ACTIVE=has_active, BLK=ws.topk_block, **cfg,
+            sel_width, K=k, PASS=p, HAS_ACTIVE=has_active, BLK=cfg.block, num_warps=cfg.warps,
         )
     radix_emit_kernel[grid](
         x, stride_r, row_lens, act, ws.hist, ws.ticks, ws.state, ws.chunk_sfx, ws.chunk_gt, out,
         out.stride(0), sel_width,
-        K=k, HAS_ACTIVE=has_active, BLK=ws.topk_block,
-        CHUNKS_P2=triton.next_power_of_2(chunks), **cfg,
+        K=k, HAS_ACTIVE=has_active, BLK=cfg.block, CHUNKS_P2=triton.next_power_of_2(chunks),
+        num_warps=cfg.warps,
     )

@@ -180,31 +180,31 @@ def resolve_kernel(
         select_emit(x_ptr + row.to(tl.int64) * stride_r, x_ptr, n, out_row, 0, K, 0, RB, True)
 
 
-def launch_sample_topk(x, stride_r, row_lens, active, ws, out, k, sel_width):
-    """Launch sample, count, compact and resolve for ``x`` rows on ``ws`` buffers."""
-    cfg = ws.config
+def launch_sample_topk(x, stride_r, row_lens, active, ws, out, k, sel_width, chunks):
+    """Launch sample, count, compact and resolve for ``x`` rows on ``ws`` buffers, ``chunks``
+    programs per row (the route's)."""
+    cfg = ws.config.topk
     rows = out.shape[0]
-    chunks = ws.topk_chunks(rows)
     has_active = active is not None
     act = active if has_active else row_lens
     grid = (rows, chunks)
-    cap, smin, p2 = cfg.topk_cap, cfg.topk_sample_above, triton.next_power_of_2(chunks)
+    cap, smin, p2 = cfg.cap, cfg.sample_above, triton.next_power_of_2(chunks)
     sample_kernel[(rows,)](
         x, stride_r, row_lens, act, ws.thresh, sel_width,
-        K=k, SMIN=smin, S=cfg.topk_samples, HAS_ACTIVE=has_active, num_warps=cfg.topk_warps,
+        K=k, SMIN=smin, S=cfg.samples, HAS_ACTIVE=has_active, num_warps=cfg.warps,
     )
     count_kernel[grid](
         x, stride_r, row_lens, act, ws.thresh, ws.chunk_cnt, sel_width,
-        SMIN=smin, HAS_ACTIVE=has_active, BLK=cfg.topk_block, num_warps=cfg.topk_warps,
+        SMIN=smin, HAS_ACTIVE=has_active, BLK=cfg.block, num_warps=cfg.warps,
     )
     compact_kernel[grid](
         x, stride_r, row_lens, act, ws.thresh, ws.chunk_cnt, ws.cand_key, ws.cand_pos, sel_width,
-        K=k, CAP=cap, SMIN=smin, HAS_ACTIVE=has_active, BLK=cfg.topk_block, CHUNKS_P2=p2,
-        num_warps=cfg.topk_warps,
+        K=k, CAP=cap, SMIN=smin, HAS_ACTIVE=has_active, BLK=cfg.block, CHUNKS_P2=p2,
+        num_warps=cfg.warps,
     )
     resolve_kernel[(rows,)](
         x, stride_r, row_lens, act, ws.chunk_cnt, ws.cand_key, ws.cand_pos, out, out.stride(0),
         sel_width, chunks,
-        K=k, CAP=cap, SMIN=smin, HAS_ACTIVE=has_active, RB=cfg.topk_resolve_block, CHUNKS_P2=p2,
-        num_warps=cfg.topk_resolve_warps,
+        K=k, CAP=cap, SMIN=smin, HAS_ACTIVE=has_active, RB=cfg.resolve_block, CHUNKS_P2=p2,
+        num_warps=cfg.resolve_warps,
     )

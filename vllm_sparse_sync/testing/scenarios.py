@@ -1,7 +1,8 @@
-"""One decode scenario per audit path: a batch plus step functions (builder, then kernels).
+"""Decode scenarios for tests: one per bound path (``vllm_sparse_sync.scenarios``), each a batch,
+its builder and its indexer step, with the step functions the harness checks.
 
-Batches come from the audit's own generator (`vllm_sparse_sync.audit`), so the scenarios and
-the audit table describe the same paths.
+The same paths and batch generator feed the audit, so the audit table and these scenarios
+describe the same decode paths.
 """
 
 from __future__ import annotations
@@ -11,20 +12,19 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import kernels
-from ..audit import AUDIT_PATHS, AuditPath, _make_case
 from ..bounds import SeqLenShadow
 from ..layout import IndexerBackend
 from ..lengths import dcp_localize
 from ..metadata import DecodeBatch, IndexerDecodeMetadata, IndexerMetadataBuilder
+from ..scenarios import NAMES, DecodePath, make_case, make_step_inputs, path_named
+from ..step import IndexerStep
 
-NAMES = tuple(p.name for p in AUDIT_PATHS)
+__all__ = ["NAMES", "Scenario", "backend_of", "make_scenario", "params"]
 
 
 def backend_of(name: str) -> str:
     """"b12x" or "deepgemm": the backend whose scenarios `--sync-backend` keeps."""
-    path = {p.name: p for p in AUDIT_PATHS}[name]
-    return "b12x" if path.layout.backend is IndexerBackend.B12X else "deepgemm"
+    return "b12x" if path_named(name).layout.backend is IndexerBackend.B12X else "deepgemm"
 
 
 def params():
@@ -36,10 +36,11 @@ def params():
 
 @dataclass
 class Scenario:
-    """A decode batch for one audit path, its builder, and indexer inputs on `device`."""
+    """A decode batch for one path, its builder and step, and indexer inputs on `device`."""
 
-    path: AuditPath
+    path: DecodePath
     builder: IndexerMetadataBuilder
+    step_: IndexerStep
     batch: DecodeBatch
     q_fp8: torch.Tensor
     weights: torch.Tensor
@@ -57,16 +58,15 @@ class Scenario:
     @property
     def watch(self) -> list[torch.Tensor]:
         """The tensors that live on the device in a real runner (the sentinel's watch list)."""
-        b = self.builder
-        return [self.batch.query_start_loc, self.batch.seq_lens, self.batch.block_table,
-                b.row_lens_buffer, b.block_table_buffer, b.active_width_buffer,
-                self.q_fp8, self.weights, self.k_cache]
+        from .watch import device_tensors
+
+        return device_tensors(self.batch, self.builder, self.step_.workspace,
+                              [self.q_fp8, self.weights, self.k_cache])
 
     def build(self) -> IndexerDecodeMetadata:
         """The builder's step: eager `build()` (capture path: `build_for_capture()` first)."""
         if self.capture:
-            n = len(self.path.query_lens)
-            self.builder.build_for_capture(n, int(self.batch.query_start_loc_cpu[-1]))
+            self.capture_metadata()
         return self.builder.build(self.batch)
 
     def capture_metadata(self) -> IndexerDecodeMetadata:
@@ -76,12 +76,7 @@ class Scenario:
 
     def kernels(self, meta: IndexerDecodeMetadata) -> torch.Tensor:
         """The indexer step on `meta` (Triton on CUDA, the torch reference elsewhere)."""
-        lay = self.path.layout
-        if lay.backend is IndexerBackend.B12X:
-            return kernels.indexer_topk(self.q_fp8, self.weights, self.k_cache, meta.block_table,
-                                        meta.row_lens, lay.topk, active_width=meta.active_width)
-        return kernels.indexer_topk(self.q_fp8, self.weights, self.k_cache, meta.block_table,
-                                    meta.row_lens, lay.topk, width=meta.bound.value)
+        return self.step_.run(meta, self.q_fp8, self.weights, self.k_cache)
 
     def step(self) -> torch.Tensor:
         """Builder, then kernels: one decode step."""
@@ -89,14 +84,13 @@ class Scenario:
 
     def reference(self, meta: IndexerDecodeMetadata | None = None) -> torch.Tensor:
         """The torch reference of the step on CPU copies, with the exact metadata."""
-        meta = meta or self.builder.build(self.batch)
-        lay = self.path.layout
-        rows = meta.row_lens.cpu()
-        bt = meta.block_table.cpu()
         from ..kernels import reference as ref
 
-        return ref.indexer_topk(self.q_fp8.cpu(), self.weights.cpu(), self.k_cache.cpu(), bt, rows,
-                                lay.topk, width=bt.shape[1] * lay.page_size)
+        meta = meta or self.builder.build(self.batch)
+        lay = self.path.layout
+        bt = meta.block_table.cpu()
+        return ref.indexer_topk(self.q_fp8.cpu(), self.weights.cpu(), self.k_cache.cpu(), bt,
+                                meta.row_lens.cpu(), lay.topk, width=bt.shape[1] * lay.page_size)
 
     def set_lengths(self, shrink: int) -> None:
         """Write new request lengths in place (each `shrink` tokens shorter, never below its
@@ -127,35 +121,21 @@ class Scenario:
 def make_scenario(name: str, device: torch.device | str | None = None, *, seed: int = 0
                   ) -> Scenario:
     """Build scenario `name` (one of NAMES) on `device` (default: CUDA if present)."""
-    paths = {p.name: p for p in AUDIT_PATHS}
-    if name not in paths:
-        raise ValueError(f"unknown scenario {name!r}; known: {', '.join(NAMES)}")
+    path = path_named(name)
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(device)
-    path = paths[name]
-    lay = path.layout
     gen = torch.Generator().manual_seed(seed)
-    case = _make_case(path, device, gen)
+    case = make_case(path, device, gen)
     batch = case.batch
-    if device.type == "cpu":  # stand-ins for device tensors must not share the host twins
-        batch = dataclasses.replace(batch, query_start_loc=batch.query_start_loc.clone(),
-                                    seq_lens=batch.seq_lens.clone(),
-                                    block_table=batch.block_table.clone())
     if batch.shadow is not None:  # private CPU shadows, so in-place updates stay ours
         s = batch.shadow
         local = s.dcp_local_seq_lens_cpu
         batch = dataclasses.replace(batch, shadow=SeqLenShadow(
             s.seq_lens_cpu.clone(), s.authoritative, None if local is None else local.clone()))
     n_rows = len(case.kernel_rows)
-    builder = IndexerMetadataBuilder(lay, max_num_reqs=8, max_num_tokens=max(16, n_rows),
+    builder = IndexerMetadataBuilder(path.layout, max_num_reqs=8, max_num_tokens=max(16, n_rows),
                                      max_pages_per_req=batch.block_table.shape[1], device=device)
-    q = torch.randn(n_rows, lay.num_heads, lay.head_dim, generator=gen).to(torch.float8_e4m3fn)
-    w = torch.randn(n_rows, lay.num_heads, generator=gen)
-    pages_total = batch.block_table.numel()
-    k = torch.randn(pages_total * lay.page_size, lay.head_dim, generator=gen)
-    k8, ks = kernels.quantize_index_k(k)
-    cache = torch.zeros(pages_total, lay.page_size * (lay.head_dim + 4), dtype=torch.uint8)
-    kernels.write_index_k_cache(cache, k8, ks, torch.arange(k.shape[0], dtype=torch.int64))
-    return Scenario(path, builder, batch, q.to(device), w.to(device), cache.to(device),
-                    base_lens=list(case.true_lens))
+    inp = make_step_inputs(path, case, device, gen)
+    return Scenario(path, builder, IndexerStep.for_builder(builder), batch, inp.q_fp8, inp.weights,
+                    inp.k_cache, base_lens=list(case.true_lens))

@@ -1,0 +1,117 @@
+"""The route planner, as a table: a pure host function of the call's shape, the configuration and
+the device, never of a larger capacity."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from vllm_sparse_sync.kernels.config import (
+    DEFAULT_CONFIG,
+    FusedConfig,
+    KernelConfig,
+    ScorerConfig,
+    TopkConfig,
+    parse_assignments,
+)
+from vllm_sparse_sync.kernels.route import (
+    FUSED,
+    RADIX,
+    SAMPLE,
+    DeviceInfo,
+    Route,
+    fused_grid,
+    plan_route,
+    topk_algo_for,
+)
+from vllm_sparse_sync.kernels.workspace import IndexerTopkWorkspace
+
+H200 = DeviceInfo(num_sms=132)
+K128, K64 = 131072, 65536
+
+# (rows, width, device, config) -> route
+TABLE = [
+    ((1, 4096, H200, DEFAULT_CONFIG), Route(FUSED, 1, fused_parts=64, fused_tiles=1)),
+    ((1, K128, H200, DEFAULT_CONFIG), Route(FUSED, 1, fused_parts=128, fused_tiles=16)),
+    ((8, K64, H200, DEFAULT_CONFIG), Route(FUSED, 8, fused_parts=32, fused_tiles=32)),
+    ((8, K128, H200, DEFAULT_CONFIG), Route(RADIX, 8, score_splits=66, topk_chunks=66)),  # 4096 keys
+    ((9, 4096, H200, DEFAULT_CONFIG), Route(RADIX, 9, score_splits=58, topk_chunks=58)),
+    ((31, K64, H200, DEFAULT_CONFIG), Route(RADIX, 31, score_splits=17, topk_chunks=17)),
+    ((32, K64, H200, DEFAULT_CONFIG), Route(SAMPLE, 32, score_splits=16, topk_chunks=16)),
+    ((256, 8192, H200, DEFAULT_CONFIG), Route(SAMPLE, 256, score_splits=2, topk_chunks=2)),
+    ((1, 4096, DeviceInfo(132, cooperative=False), DEFAULT_CONFIG),
+     Route(RADIX, 1, score_splits=528, topk_chunks=512)),
+    ((1, 4096, H200, KernelConfig(fused=FusedConfig(enabled=False))),
+     Route(RADIX, 1, score_splits=528, topk_chunks=512)),
+    ((1, 4096, H200, KernelConfig(topk=TopkConfig(algo="sample"), fused=FusedConfig(enabled=False))),
+     Route(SAMPLE, 1, score_splits=528, topk_chunks=512)),
+    ((4, K128, DeviceInfo(132, fused_ctas_per_sm=1), DEFAULT_CONFIG),
+     Route(RADIX, 4, score_splits=132, topk_chunks=132)),  # one program per SM: 8192 keys each
+    ((0, 4096, H200, DEFAULT_CONFIG), Route(RADIX, 0, score_splits=528, topk_chunks=512)),
+    ((2, 0, H200, DEFAULT_CONFIG), Route(RADIX, 2, score_splits=264, topk_chunks=264)),
+]
+
+
+@pytest.mark.parametrize("args, want", TABLE, ids=[f"{a[0]}x{a[1]}" for a, _ in TABLE])
+def test_route_table(args, want):
+    rows, width, device, config = args
+    assert plan_route(rows, width, 64, device, config) == want
+
+
+def test_topk_only_calls_never_fuse():
+    assert plan_route(1, 4096, 64, H200, score=False) == Route(RADIX, 1, topk_chunks=512)
+    assert plan_route(40, 4096, 64, H200, score=False).kind == SAMPLE
+
+
+def test_a_small_call_on_a_large_workspace_takes_the_small_route():
+    ws = IndexerTopkWorkspace(256, 2048, K128, "cpu", num_sms=132)
+    assert ws.fused_rows == 8
+    assert ws.route(1, K64, 64) == plan_route(1, K64, 64, ws.device_info())
+    ws_small = IndexerTopkWorkspace(1, 2048, K128, "cpu", num_sms=132)
+    assert ws.route(1, K64, 64) == ws_small.route(1, K64, 64)
+    assert ws.route(256, 8192, 64).kind == SAMPLE
+
+
+@given(rows=st.integers(1, 300), width=st.integers(1, 300_000), sms=st.integers(1, 200),
+       ctas=st.sampled_from([1, 2, 4]), page=st.sampled_from([16, 64, 128]))
+def test_routes_fit_the_device_and_cover_the_width(rows, width, sms, ctas, page):
+    cfg = KernelConfig(fused=FusedConfig(ctas_per_sm=ctas))
+    r = plan_route(rows, width, page, DeviceInfo(sms), cfg)
+    if r.fused:
+        assert rows <= cfg.fused.max_rows
+        assert rows * r.fused_parts <= sms * ctas  # every program resident at once
+        assert r.fused_parts <= cfg.fused.max_parts
+        assert r.fused_parts * r.fused_tiles * page >= width  # every tile has an owner
+        assert r.fused_tiles * page <= cfg.fused.max_keys
+        assert r.fused_tiles & (r.fused_tiles - 1) == 0
+    else:
+        assert r.kind == topk_algo_for(rows, cfg)
+        assert 1 <= r.topk_chunks <= cfg.topk.max_chunks and r.score_splits >= 1
+
+
+def test_fused_grid_edges():
+    assert fused_grid(1, K128, 64, 132, 16384, 128) == (128, 16)
+    assert fused_grid(8, 262144, 64, 132, 16384, 128) == (16, 256)
+    assert fused_grid(8, 262145, 64, 132, 16384, 128) is None  # 512 tiles of keys per part
+    assert fused_grid(200, 4096, 64, 132, 16384, 128) is None  # more rows than resident programs
+    assert fused_grid(2, 0, 64, 132, 16384, 128) is None
+    assert fused_grid(1, 4096, 48, 132, 16384, 128) is None  # not a power-of-two page
+
+
+def test_configs_are_checked_and_round_trip():
+    cfg = DEFAULT_CONFIG.with_values(**{"topk.algo": "radix", "scorer.precise": False})
+    assert cfg.topk.algo == "radix" and cfg.scorer.precise is False
+    assert KernelConfig.from_dict(cfg.to_dict()) == cfg
+    assert parse_assignments("topk.algo=radix, scorer.precise=false,fused.max_rows=4") == {
+        "topk.algo": "radix", "scorer.precise": False, "fused.max_rows": 4}
+    with pytest.raises(TypeError, match="scorer.precise"):
+        ScorerConfig(precise=0)
+    with pytest.raises(ValueError, match="topk.algo"):
+        TopkConfig(algo="bitonic")
+    with pytest.raises(ValueError, match="fused.max_keys"):
+        FusedConfig(max_keys=1000)
+    with pytest.raises(ValueError, match="config key 'topk.bogus'"):
+        DEFAULT_CONFIG.with_values(**{"topk.bogus": 1})
+    with pytest.raises(ValueError, match="rows"):
+        plan_route(-1, 4096, 64, H200)

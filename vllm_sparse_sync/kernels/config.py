@@ -1,0 +1,169 @@
+"""Fixed launch configuration of the indexer kernels, one frozen dataclass per kernel family.
+
+No autotuning: every value here is a static choice, so a captured graph replays the same
+schedule. Measurements behind the defaults are in ``benchmarks/NOTES.md``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields, replace
+
+TOPK_ALGOS = ("auto", "radix", "sample")
+
+
+def _pow2(name: str, v: object) -> None:
+    if isinstance(v, bool) or not isinstance(v, int) or v <= 0 or v & (v - 1):
+        raise ValueError(f"{name}: must be a power of two, got {v!r}")
+
+
+def _positive(name: str, v: object) -> None:
+    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+        raise ValueError(f"{name}: must be a positive int, got {v!r}")
+
+
+def _flag(name: str, v: object) -> None:
+    if not isinstance(v, bool):
+        raise TypeError(f"{name}: must be a bool, got {v!r}")
+
+
+@dataclass(frozen=True)
+class ScorerConfig:
+    """The paged fp8 scorer (``triton_scorer``)."""
+
+    tile: int = 64
+    """Tokens per loop iteration; a tile of exactly one page loads its K from one page id."""
+    warps: int = 4
+    stages: int = 6
+    """Software-pipeline depth of the K loads."""
+    ctas_per_sm: int = 4
+    """Scorer programs per SM, split over the call's rows."""
+    precise: bool = True
+    """fp16 dot of the e4m3 values (exact products, fp32 sums, as the reference); False: the fp8
+    tensor-core dot (~14 mantissa bits in its sums, as DeepGEMM)."""
+
+    def __post_init__(self) -> None:
+        _pow2("scorer.tile", self.tile)
+        _pow2("scorer.warps", self.warps)
+        _positive("scorer.stages", self.stages)
+        _positive("scorer.ctas_per_sm", self.ctas_per_sm)
+        _flag("scorer.precise", self.precise)
+
+
+@dataclass(frozen=True)
+class TopkConfig:
+    """The unfused top-k (``triton_topk``: radix passes; ``triton_topk_sample``: sampled threshold)."""
+
+    algo: str = "auto"
+    """"radix", "sample", or "auto": sample from ``sample_min_rows`` rows up (a static count)."""
+    block: int = 1024
+    """Scores per iteration."""
+    warps: int = 4
+    ctas_per_sm: int = 4
+    max_chunks: int = 512
+    """Most programs per row."""
+    sample_min_rows: int = 32
+    cap: int = 8192
+    """"sample": most candidates per row."""
+    sample_above: int = 4096
+    """"sample": rows longer than this are sampled; shorter ones are read whole by the resolve."""
+    samples: int = 2048
+    """"sample": strided samples per row that set the candidate threshold."""
+    resolve_block: int = 2048
+    resolve_warps: int = 8
+
+    def __post_init__(self) -> None:
+        if self.algo not in TOPK_ALGOS:
+            raise ValueError(f"topk.algo: one of {', '.join(TOPK_ALGOS)}, got {self.algo!r}")
+        for name in ("block", "samples", "resolve_block", "warps", "resolve_warps"):
+            _pow2(f"topk.{name}", getattr(self, name))
+        for name in ("ctas_per_sm", "max_chunks", "sample_min_rows", "cap"):
+            _positive(f"topk.{name}", getattr(self, name))
+        if isinstance(self.sample_above, bool) or not isinstance(self.sample_above, int) \
+                or self.sample_above < 0:
+            raise ValueError(f"topk.sample_above: must be an int >= 0, got {self.sample_above!r}")
+
+
+@dataclass(frozen=True)
+class FusedConfig:
+    """The fused small-batch step (``triton_fused``): score and select in one cooperative launch."""
+
+    enabled: bool = True
+    max_rows: int = 8
+    """Calls of at most this many rows take the fused route."""
+    ctas_per_sm: int = 2
+    """Programs per SM (all resident at once)."""
+    max_parts: int = 128
+    """Most programs per row: more make each row barrier slower."""
+    max_keys: int = 2048
+    """Most keys a program holds in registers; a wider call takes the unfused route."""
+    stages: int = 6
+    warps: int = 4
+    resolve_block: int = 1024
+    """Candidates per iteration of the row's one-program resolve."""
+
+    def __post_init__(self) -> None:
+        _flag("fused.enabled", self.enabled)
+        for name in ("max_rows", "ctas_per_sm", "max_parts", "stages"):
+            _positive(f"fused.{name}", getattr(self, name))
+        for name in ("max_keys", "warps", "resolve_block"):
+            _pow2(f"fused.{name}", getattr(self, name))
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """The launch configuration of every indexer kernel family."""
+
+    scorer: ScorerConfig = field(default_factory=ScorerConfig)
+    topk: TopkConfig = field(default_factory=TopkConfig)
+    fused: FusedConfig = field(default_factory=FusedConfig)
+
+    def __post_init__(self) -> None:
+        for name, cls in (("scorer", ScorerConfig), ("topk", TopkConfig), ("fused", FusedConfig)):
+            if not isinstance(getattr(self, name), cls):
+                raise TypeError(f"{name}: must be a {cls.__name__}, got {type(getattr(self, name)).__name__}")
+
+    def to_dict(self) -> dict:
+        """``{"scorer": {...}, "topk": {...}, "fused": {...}}``."""
+        return asdict(self)
+
+    def with_values(self, **dotted) -> KernelConfig:
+        """A copy with ``family.name=value`` changes, e.g. ``with_values(**{"topk.algo": "radix"})``."""
+        parts: dict[str, dict] = {}
+        for key, value in dotted.items():
+            family, _, name = key.partition(".")
+            if family not in ("scorer", "topk", "fused") or not name:
+                raise ValueError(f"config key {key!r}: expected scorer.*, topk.* or fused.*")
+            known = {f.name for f in fields(getattr(self, family))}
+            if name not in known:
+                raise ValueError(f"config key {key!r}: {family} has {', '.join(sorted(known))}")
+            parts.setdefault(family, {})[name] = value
+        return replace(self, **{fam: replace(getattr(self, fam), **kv) for fam, kv in parts.items()})
+
+    @classmethod
+    def from_dict(cls, data: dict) -> KernelConfig:
+        """The inverse of ``to_dict`` (missing families and fields keep their defaults)."""
+        unknown = set(data) - {"scorer", "topk", "fused"}
+        if unknown:
+            raise ValueError(f"config: unknown families {sorted(unknown)}")
+        return cls(scorer=ScorerConfig(**data.get("scorer", {})), topk=TopkConfig(**data.get("topk", {})),
+                   fused=FusedConfig(**data.get("fused", {})))
+
+
+DEFAULT_CONFIG = KernelConfig()
+
+
+def parse_assignments(text: str) -> dict:
+    """``"topk.algo=radix,scorer.precise=false"`` -> typed values (ints, bools, strings)."""
+    out: dict = {}
+    for item in (s.strip() for s in text.split(",") if s.strip()):
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise ValueError(f"config: expected key=value, got {item!r}")
+        low = raw.strip().lower()
+        if low in ("true", "false"):
+            out[key.strip()] = low == "true"
+        elif low.lstrip("-").isdigit():
+            out[key.strip()] = int(low)
+        else:
+            out[key.strip()] = raw.strip()
+    return out

@@ -1,0 +1,103 @@
+"""The route planner: which kernels run a call, and their grids, from host facts alone.
+
+One pure function, ``plan_route``, decides from the call's own static shape (its rows, its
+width bound, the page size, top-k), the configuration and the device's properties. It never
+looks at a capacity larger than the call (a 256-row workspace serving a 1-row call plans the
+1-row route) and never at live lengths (those stay on the device), so a captured graph replays
+the schedule it was captured with.
+
+Routes: ``fused`` (score and select in one cooperative launch), ``radix`` and ``sample``
+(the scorer into a logits buffer, then that top-k algorithm). Every route returns the same
+set of positions per row; the order inside a row is deterministic per route but unspecified.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .config import DEFAULT_CONFIG, KernelConfig
+
+FUSED, RADIX, SAMPLE = "fused", "radix", "sample"
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """What a plan needs of the device: SM count, whether all programs of a launch can be made
+    resident at once (a cooperative launch, or the interpreter), and the fused programs per SM
+    the device accepted (lowered when a cooperative launch was refused)."""
+
+    num_sms: int
+    cooperative: bool = True
+    fused_ctas_per_sm: int | None = None
+
+
+@dataclass(frozen=True)
+class Route:
+    """One call's kernels and grids."""
+
+    kind: str
+    rows: int
+    score_splits: int = 0
+    """Unfused: scorer programs per row."""
+    topk_chunks: int = 0
+    """Unfused: top-k programs per row."""
+    fused_parts: int = 0
+    """Fused: programs per row."""
+    fused_tiles: int = 0
+    """Fused: page tiles per program (a power of two)."""
+
+    @property
+    def fused(self) -> bool:
+        return self.kind == FUSED
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def fused_grid(rows: int, width: int, page: int, slots: int, max_keys: int,
+               max_parts: int) -> tuple[int, int] | None:
+    """``(programs per row, tiles per program)`` of the fused step, or None when it does not fit.
+
+    ``slots``: programs that can be resident at once on the device.
+    """
+    if rows <= 0 or width <= 0 or page <= 0 or page & (page - 1) or rows > slots:
+        return None
+    tiles = _cdiv(width, page)
+    per_part = _next_pow2(_cdiv(tiles, max(1, min(max_parts, slots // rows))))
+    if per_part * page > max_keys:
+        return None
+    return _cdiv(tiles, per_part), per_part
+
+
+def topk_algo_for(rows: int, config: KernelConfig = DEFAULT_CONFIG) -> str:
+    """The unfused top-k algorithm for a call of ``rows`` rows."""
+    algo = config.topk.algo
+    if algo != "auto":
+        return algo
+    return SAMPLE if rows >= config.topk.sample_min_rows else RADIX
+
+
+def plan_route(rows: int, width: int, page: int, device: DeviceInfo,
+               config: KernelConfig = DEFAULT_CONFIG, *, score: bool = True) -> Route:
+    """The route of one call: ``rows`` rows, logits width bound ``width`` (kernel rows), K-cache
+    pages of ``page`` rows. ``score=False``: a top-k of given logits (never fused)."""
+    if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0:
+        raise ValueError(f"rows: must be an int >= 0, got {rows!r}")
+    if isinstance(width, bool) or not isinstance(width, int) or width < 0:
+        raise ValueError(f"width: must be an int >= 0, got {width!r}")
+    sms = device.num_sms
+    fc = config.fused
+    if score and fc.enabled and device.cooperative and 0 < rows <= fc.max_rows:
+        grid = fused_grid(rows, width, page, sms * (device.fused_ctas_per_sm or fc.ctas_per_sm),
+                          fc.max_keys, fc.max_parts)
+        if grid is not None:
+            return Route(FUSED, rows, fused_parts=grid[0], fused_tiles=grid[1])
+    r = max(rows, 1)
+    splits = max(1, sms * config.scorer.ctas_per_sm // r) if score else 0
+    chunks = max(1, min(config.topk.max_chunks, sms * config.topk.ctas_per_sm // r))
+    return Route(topk_algo_for(rows, config), rows, score_splits=splits, topk_chunks=chunks)

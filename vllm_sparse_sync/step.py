@@ -1,0 +1,113 @@
+"""The decode indexer step: planned once from the layout and capacities, run on each step's
+metadata. With ``IndexerMetadataBuilder`` it is the public way to run a decode indexer step.
+
+Plan (``IndexerStep(...)``, outside capture): the workspace for the largest call, the
+configuration. Bind and run (``run(meta, ...)``, every step): the host contract follows the
+backend (B12X: the device ``active_width`` clamp over the block table's width; DeepGEMM-style:
+the host bound as the logits width), the route follows the call's row count; nothing is read
+from the device, nothing is allocated when ``out=`` is given, so a step captures in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import kernels
+from .bounds import capture_stable_bound
+from .kernels.config import DEFAULT_CONFIG, KernelConfig
+from .kernels.route import Route
+from .layout import IndexerBackend, IndexerLayout
+from .metadata import IndexerDecodeMetadata, IndexerMetadataBuilder
+
+
+@dataclass(frozen=True)
+class StepHealth:
+    """What the device reported about past steps (read on the host: not in the decode loop)."""
+
+    stalled_rows: int
+    """Rows whose fused row barrier gave up; their output rows were written as all ``-1``."""
+
+    @property
+    def ok(self) -> bool:
+        return self.stalled_rows == 0
+
+
+def _positive(name: str, v: object) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+        raise ValueError(f"{name}: must be a positive int, got {v!r}")
+    return v
+
+
+class IndexerStep:
+    """The decode indexer step (scorer + top-k) of one layout, planned for up to ``max_rows``
+    rows and block tables of ``max_pages_per_req`` pages."""
+
+    def __init__(self, layout: IndexerLayout, *, max_rows: int, max_pages_per_req: int,
+                 device: torch.device | str, config: KernelConfig | None = None) -> None:
+        if not isinstance(layout, IndexerLayout):
+            raise TypeError(f"layout: must be an IndexerLayout, got {type(layout).__name__}")
+        config = DEFAULT_CONFIG if config is None else config
+        if not isinstance(config, KernelConfig):
+            raise TypeError(f"config: must be a KernelConfig, got {type(config).__name__}")
+        self.layout = layout
+        self.max_rows = _positive("max_rows", max_rows)
+        self.max_pages_per_req = _positive("max_pages_per_req", max_pages_per_req)
+        self.device = torch.device(device)
+        self.config = config
+        self.width_capacity = max(max_pages_per_req * layout.page_size, capture_stable_bound(layout))
+        """Widest logits a call may ask for: the block table's rows, or the capture bound."""
+        self.workspace = kernels.make_workspace(self.max_rows, layout.topk, self.width_capacity,
+                                                self.device, config)
+
+    @classmethod
+    def for_builder(cls, builder: IndexerMetadataBuilder, config: KernelConfig | None = None
+                    ) -> IndexerStep:
+        """The step that runs on ``builder``'s metadata (same layout, capacities and device)."""
+        if not isinstance(builder, IndexerMetadataBuilder):
+            raise TypeError(f"builder: must be an IndexerMetadataBuilder, got {type(builder).__name__}")
+        return cls(builder.layout, max_rows=builder.max_num_tokens,
+                   max_pages_per_req=builder.max_pages_per_req, device=builder.device, config=config)
+
+    # ------------------------------------------------------------------ host decisions
+    def contract(self, meta: IndexerDecodeMetadata) -> tuple[torch.Tensor | None, int]:
+        """``(active_width, width)`` of a call on ``meta``: B12X clamps on the device within the
+        block table's width; DeepGEMM-style takes the host bound as the width."""
+        if self.layout.backend is IndexerBackend.B12X:
+            return meta.active_width, meta.block_table.shape[1] * self.layout.page_size
+        return None, meta.bound.value
+
+    def route(self, rows: int, width: int | None = None) -> Route | None:
+        """The kernels a call of ``rows`` rows takes here (None: the torch reference, off CUDA)."""
+        if self.workspace is None:
+            return None
+        width = self.width_capacity if width is None else width
+        return self.workspace.route(rows, width, self.layout.page_size)
+
+    # -------------------------------------------------------------------------- run
+    def run(self, meta: IndexerDecodeMetadata, q_fp8: torch.Tensor, weights: torch.Tensor,
+            k_cache: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Top-``k`` positions of each decode row, ``int32 [meta.num_rows, k]`` (a set per row,
+        ``-1`` padded). Sync-free; capturable once each row count has run eagerly."""
+        if not isinstance(meta, IndexerDecodeMetadata):
+            raise TypeError(f"meta: must be IndexerDecodeMetadata (from the builder), got "
+                            f"{type(meta).__name__}")
+        if not isinstance(q_fp8, torch.Tensor) or q_fp8.dim() != 3 or q_fp8.shape[0] != meta.num_rows:
+            got = tuple(q_fp8.shape) if isinstance(q_fp8, torch.Tensor) else type(q_fp8).__name__
+            raise ValueError(f"q_fp8: must be [num_rows={meta.num_rows}, heads, head_dim], got {got}")
+        if meta.num_rows > self.max_rows:
+            raise ValueError(f"meta: {meta.num_rows} rows exceed the step's max_rows={self.max_rows}")
+        active, width = self.contract(meta)
+        return kernels.indexer_topk(q_fp8, weights, k_cache, meta.block_table, meta.row_lens,
+                                    self.layout.topk, active_width=active, width=width,
+                                    workspace=self.workspace, out=out)
+
+    def health(self) -> StepHealth:
+        """Stalled rows since the last call (reads device memory: a host sync; call it outside
+        the decode loop, e.g. after a benchmark or in a test), then clears the flags."""
+        if self.workspace is None:
+            return StepHealth(0)
+        stalled = self.workspace.stalled_rows()
+        self.workspace.clear_stalls()
+        return StepHealth(stalled)
