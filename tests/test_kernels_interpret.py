@@ -324,3 +324,35 @@ def test_nan_scores_rank_below_every_number():
         assert set(got[0].tolist()) == {0, 2, 3, 4}, algo
     assert ref.topk_indices(logits, lens, 2).tolist() == [[2, 0]]
     assert ref.topk_indices(logits, lens, 4).tolist() == [[2, 0, 4, 3]]
+
+
+@pytest.mark.parametrize("ratio, world, rank, interleave", [(1, 1, 0, 1), (4, 1, 0, 1), (1, 4, 3, 8),
+                                                             (4, 2, 1, 64)])
+def test_metadata_kernel_matches_the_torch_path(ratio, world, rank, interleave, gen):
+    """The builder's one-launch Triton path writes what its torch path writes, over batches that
+    shrink (stale rows zeroed), grow, and mix uniform and ragged query lengths."""
+    from vllm_sparse_sync import DecodeBatch, IndexerLayout, IndexerMetadataBuilder, SeqLenShadow
+    from vllm_sparse_sync.bounds import capture_stable_bound
+    from vllm_sparse_sync.kernels.triton_metadata import launch_decode_rows
+
+    layout = IndexerLayout(backend="b12x", compress_ratio=ratio, dcp_world_size=world, dcp_rank=rank,
+                           cp_interleave=interleave, max_model_len=4096)
+    kw = dict(max_num_reqs=8, max_num_tokens=24, max_pages_per_req=70, device="cpu")
+    fast, slow = IndexerMetadataBuilder(layout, **kw), IndexerMetadataBuilder(layout, **kw)
+    fast._launch = launch_decode_rows
+    for query_lens in ([1] * 8, [3, 0, 2, 4], [1, 1], [2] * 5, [0, 0], [4, 1, 4, 1, 4]):
+        lens = [int(torch.randint(q, 4097, (1,), generator=gen)) for q in query_lens]
+        starts = [0]
+        for q in query_lens:
+            starts.append(starts[-1] + q)
+        qsl = torch.tensor(starts, dtype=torch.int32)
+        need = -(-capture_stable_bound(layout) // 64)  # the bound of max_seq_len=max_model_len
+        pages = int(torch.randint(need, 71, (1,), generator=gen))
+        batch = DecodeBatch(qsl.clone(), qsl, torch.tensor(lens, dtype=torch.int32),
+                            SeqLenShadow(torch.tensor(lens, dtype=torch.int32), authoritative=False),
+                            torch.randint(-1, 5000, (len(lens), pages), dtype=torch.int32, generator=gen),
+                            max_seq_len=4096)
+        a, b = fast.build(batch), slow.build(batch)
+        assert torch.equal(fast.row_lens_buffer, slow.row_lens_buffer), query_lens
+        assert torch.equal(a.block_table, b.block_table), query_lens
+        assert torch.equal(fast.active_width_buffer, slow.active_width_buffer)

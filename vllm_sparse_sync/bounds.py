@@ -12,6 +12,7 @@ import enum
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .layout import IndexerBackend, IndexerLayout
@@ -63,6 +64,17 @@ class SeqLenShadow:
     authoritative: bool = True
     dcp_local_seq_lens_cpu: torch.Tensor | None = None
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.seq_lens_cpu, torch.Tensor):
+            raise TypeError(f"seq_lens_cpu: must be a CPU torch.Tensor, "
+                            f"got {type(self.seq_lens_cpu).__name__}")
+        if not isinstance(self.authoritative, bool):
+            raise TypeError(f"authoritative: must be a bool, got {self.authoritative!r}")
+        local = self.dcp_local_seq_lens_cpu
+        if local is not None and not isinstance(local, torch.Tensor):
+            raise TypeError(f"dcp_local_seq_lens_cpu: must be a CPU torch.Tensor or None, "
+                            f"got {type(local).__name__}")
+
 
 # (backend, compressed, exact shadow usable) -> source. DCP turns CPU_EXACT into CPU_DCP_LOCAL.
 SOURCE_RULES: dict[tuple[IndexerBackend, bool, bool], BoundSource] = {
@@ -86,22 +98,23 @@ def capture_stable_bound(layout: IndexerLayout) -> int:
     return _localize(layout, compress_ceil(layout.max_model_len, layout.compress_ratio))
 
 
-def _active_width(layout: IndexerLayout, max_seq_len: int, live: list[int]) -> int:
+def _active_width(layout: IndexerLayout, max_seq_len: int, live_max: int) -> int:
     return _localize(layout, compress_ceil(max_seq_len, layout.compress_ratio))
 
 
-def _metadata_upper_bound(layout: IndexerLayout, max_seq_len: int, live: list[int]) -> int:
+def _metadata_upper_bound(layout: IndexerLayout, max_seq_len: int, live_max: int) -> int:
     # Rows are floor(L / ratio) with L <= max_seq_len, so floor(max_seq_len / ratio) bounds them.
     return _localize(layout, compress(max_seq_len, layout.compress_ratio))
 
 
-def _cpu_exact(layout: IndexerLayout, max_seq_len: int, live: list[int]) -> int:
-    # The longest token of a request has the request's full length, so max over requests is exact.
-    return max((kernel_lengths(n, layout.compress_ratio, layout.dcp_world_size, layout.dcp_rank,
-                               layout.cp_interleave) for n in live), default=0)
+def _cpu_exact(layout: IndexerLayout, max_seq_len: int, live_max: int) -> int:
+    # The longest token of a request has the request's full length and every transform is
+    # monotone, so the transform of the longest live request is the exact maximum.
+    return kernel_lengths(live_max, layout.compress_ratio, layout.dcp_world_size, layout.dcp_rank,
+                          layout.cp_interleave)
 
 
-_VALUE_OF: dict[BoundSource, Callable[[IndexerLayout, int, list[int]], int]] = {
+_VALUE_OF: dict[BoundSource, Callable[[IndexerLayout, int, int], int]] = {
     BoundSource.ACTIVE_WIDTH: _active_width,
     BoundSource.METADATA_UPPER_BOUND: _metadata_upper_bound,
     BoundSource.CPU_EXACT: _cpu_exact,
@@ -122,61 +135,126 @@ def _host_int_tensor(name: str, t: object, *, dims: int = 1) -> torch.Tensor:
     return t
 
 
+def _first(mask: np.ndarray) -> int:
+    return int(np.argmax(mask))
+
+
+def query_lens_host(query_start_loc_cpu: torch.Tensor) -> np.ndarray:
+    """Validated decode query lengths (int64 numpy) from the CPU prefix sum (``n + 1`` entries)."""
+    starts = _host_int_tensor("query_start_loc_cpu", query_start_loc_cpu).numpy()
+    if starts.size < 1:
+        raise ValueError("query_start_loc_cpu: needs n + 1 >= 1 entries, got 0")
+    if starts[0] != 0:
+        raise ValueError(f"query_start_loc_cpu: must start at 0, got {int(starts[0])}")
+    q = np.diff(starts.astype(np.int64))
+    if q.size and (q < 0).any():
+        i = _first(q < 0)
+        raise ValueError(f"query_start_loc_cpu: must be non-decreasing (negative query length at "
+                         f"request {i})")
+    return q
+
+
 def query_lens_from_start_loc(query_start_loc_cpu: torch.Tensor) -> list[int]:
     """Validated decode query lengths from the CPU prefix sum (``n + 1`` entries)."""
-    qsl = _host_int_tensor("query_start_loc_cpu", query_start_loc_cpu)
-    if qsl.numel() < 1:
-        raise ValueError("query_start_loc_cpu: needs n + 1 >= 1 entries, got 0")
-    starts = qsl.tolist()
-    if starts[0] != 0:
-        raise ValueError(f"query_start_loc_cpu: must start at 0, got {starts[0]}")
-    q = [b - a for a, b in zip(starts, starts[1:])]
-    if any(x < 0 for x in q):
-        raise ValueError("query_start_loc_cpu: must be non-decreasing (negative query length)")
-    return q
+    return query_lens_host(query_start_loc_cpu).tolist()
+
+
+def _shadow_lens_host(shadow: SeqLenShadow, query_lens: np.ndarray, max_seq_len: int) -> np.ndarray:
+    n = query_lens.size
+    lens_t = _host_int_tensor("shadow.seq_lens_cpu", shadow.seq_lens_cpu)
+    if lens_t.shape[0] < n:
+        raise ValueError(f"shadow.seq_lens_cpu: needs one entry per request ({n}), got {lens_t.shape[0]}")
+    lens = lens_t.numpy()[:n].astype(np.int64)
+    if n == 0:
+        return lens
+    if (lens < 0).any():
+        i = _first(lens < 0)
+        raise ValueError(f"shadow.seq_lens_cpu[{i}]: negative length {int(lens[i])}")
+    if shadow.authoritative:
+        if (lens > max_seq_len).any():
+            i = _first(lens > max_seq_len)
+            raise ValueError(f"shadow.seq_lens_cpu[{i}]: authoritative length {int(lens[i])} exceeds "
+                             f"max_seq_len={max_seq_len}")
+        if (lens < query_lens).any():
+            i = _first(lens < query_lens)
+            raise ValueError(f"shadow.seq_lens_cpu[{i}]: length {int(lens[i])} is shorter than its "
+                             f"{int(query_lens[i])} query tokens")
+    return lens
 
 
 def validated_shadow_lengths(
     shadow: SeqLenShadow, query_lens: list[int], max_seq_len: int
 ) -> list[int]:
     """The shadow's per-request lengths, checked against the query lengths and ``max_seq_len``."""
-    n = len(query_lens)
-    lens_t = _host_int_tensor("shadow.seq_lens_cpu", shadow.seq_lens_cpu)
-    if lens_t.shape[0] < n:
-        raise ValueError(f"shadow.seq_lens_cpu: needs one entry per request ({n}), got {lens_t.shape[0]}")
-    lens = lens_t[:n].tolist()
-    for i, (length, q) in enumerate(zip(lens, query_lens)):
-        if length < 0:
-            raise ValueError(f"shadow.seq_lens_cpu[{i}]: negative length {length}")
-        if shadow.authoritative and length > max_seq_len:
-            raise ValueError(
-                f"shadow.seq_lens_cpu[{i}]: authoritative length {length} exceeds "
-                f"max_seq_len={max_seq_len}"
-            )
-        if shadow.authoritative and length < q:
-            raise ValueError(
-                f"shadow.seq_lens_cpu[{i}]: length {length} is shorter than its {q} query tokens"
-            )
-    return lens
+    return _shadow_lens_host(shadow, np.asarray(query_lens, dtype=np.int64), max_seq_len).tolist()
 
 
-def _validated_dcp_local(shadow: SeqLenShadow, layout: IndexerLayout, lens: list[int],
-                         query_lens: list[int]) -> list[int]:
+def _check_dcp_local(shadow: SeqLenShadow, layout: IndexerLayout, lens: np.ndarray) -> None:
     local_t = _host_int_tensor("shadow.dcp_local_seq_lens_cpu", shadow.dcp_local_seq_lens_cpu)
-    n = len(query_lens)
+    n = lens.size
     if local_t.shape[0] < n:
         raise ValueError(
             f"shadow.dcp_local_seq_lens_cpu: needs one entry per request ({n}), got {local_t.shape[0]}"
         )
-    local = local_t[:n].tolist()
-    for i, (got, length) in enumerate(zip(local, lens)):
-        want = dcp_localize(length, layout.dcp_world_size, layout.dcp_rank, layout.cp_interleave)
-        if got != want:
-            raise ValueError(
-                f"shadow.dcp_local_seq_lens_cpu[{i}]: {got} is not rank {layout.dcp_rank}'s share "
-                f"({want}) of seq_lens_cpu[{i}]={length}"
-            )
-    return local
+    local = local_t.numpy()[:n].astype(np.int64)
+    want = dcp_localize(lens, layout.dcp_world_size, layout.dcp_rank, layout.cp_interleave)
+    if n and (local != want).any():
+        i = _first(local != want)
+        raise ValueError(
+            f"shadow.dcp_local_seq_lens_cpu[{i}]: {int(local[i])} is not rank {layout.dcp_rank}'s share "
+            f"({int(want[i])}) of seq_lens_cpu[{i}]={int(lens[i])}"
+        )
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """What the host knows of one decode step, from host data only."""
+
+    query_lens: np.ndarray
+    """Query tokens per request (int64)."""
+    num_rows: int
+    """Decode tokens: rows of the kernels."""
+    uniform_query_len: int | None
+    """The query length every request shares, if they all do (plain decode: 1)."""
+    bound: DecodeTopkBound
+
+    @property
+    def num_reqs(self) -> int:
+        return int(self.query_lens.size)
+
+
+def plan_decode(
+    layout: IndexerLayout,
+    *,
+    max_seq_len: int,
+    query_start_loc_cpu: torch.Tensor,
+    shadow: SeqLenShadow | None = None,
+) -> DecodePlan:
+    """Validate one step's host data and choose its bound (DESIGN section 2), without device reads."""
+    if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int):
+        raise TypeError(f"max_seq_len: must be a host int, got {type(max_seq_len).__name__}")
+    if not 0 <= max_seq_len <= layout.max_model_len:
+        raise ValueError(
+            f"max_seq_len: must lie in [0, max_model_len={layout.max_model_len}], got {max_seq_len}"
+        )
+    if shadow is not None and not isinstance(shadow, SeqLenShadow):
+        raise TypeError(f"shadow: must be a SeqLenShadow or None, got {type(shadow).__name__}")
+    query_lens = query_lens_host(query_start_loc_cpu)
+    live_max = 0
+    if shadow is not None:
+        lens = _shadow_lens_host(shadow, query_lens, max_seq_len)
+        if shadow.dcp_local_seq_lens_cpu is not None:
+            _check_dcp_local(shadow, layout, lens)
+        live = lens[query_lens > 0]
+        live_max = int(live.max()) if live.size else 0
+    exact_usable = shadow is not None and shadow.authoritative
+    source = SOURCE_RULES[(layout.backend, layout.is_compressed, exact_usable)]
+    if source is BoundSource.CPU_EXACT and layout.uses_dcp:
+        source = BoundSource.CPU_DCP_LOCAL
+    bound = DecodeTopkBound(_VALUE_OF[source](layout, max_seq_len, live_max), source)
+    n = query_lens.size
+    uniform = int(query_lens[0]) if n and (query_lens == query_lens[0]).all() else (0 if n == 0 else None)
+    return DecodePlan(query_lens, int(query_lens.sum()), uniform, bound)
 
 
 def decode_topk_bound(
@@ -187,24 +265,8 @@ def decode_topk_bound(
     shadow: SeqLenShadow | None = None,
     capturing: bool = False,
 ) -> DecodeTopkBound:
-    """Host bound on every decode row's kernel length, from host data only (DESIGN.md section 2)."""
+    """Host bound on every decode row's kernel length, from host data only (DESIGN section 2)."""
     if capturing:
         return DecodeTopkBound(capture_stable_bound(layout), BoundSource.CAPTURE_STABLE)
-    if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int):
-        raise TypeError(f"max_seq_len: must be a host int, got {type(max_seq_len).__name__}")
-    if not 0 <= max_seq_len <= layout.max_model_len:
-        raise ValueError(
-            f"max_seq_len: must lie in [0, max_model_len={layout.max_model_len}], got {max_seq_len}"
-        )
-    query_lens = query_lens_from_start_loc(query_start_loc_cpu)
-    lens: list[int] = []
-    if shadow is not None:
-        lens = validated_shadow_lengths(shadow, query_lens, max_seq_len)
-        if shadow.dcp_local_seq_lens_cpu is not None:
-            _validated_dcp_local(shadow, layout, lens, query_lens)
-    exact_usable = shadow is not None and shadow.authoritative
-    source = SOURCE_RULES[(layout.backend, layout.is_compressed, exact_usable)]
-    if source is BoundSource.CPU_EXACT and layout.uses_dcp:
-        source = BoundSource.CPU_DCP_LOCAL
-    live = [length for length, q in zip(lens, query_lens) if q > 0]
-    return DecodeTopkBound(_VALUE_OF[source](layout, max_seq_len, live), source)
+    return plan_decode(layout, max_seq_len=max_seq_len, query_start_loc_cpu=query_start_loc_cpu,
+                       shadow=shadow).bound

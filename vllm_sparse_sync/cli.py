@@ -1,15 +1,58 @@
-"""Command-line entry: ``vllm-sparse-sync audit`` and ``vllm-sparse-sync selftest``."""
+"""Command-line entry: ``vllm-sparse-sync audit`` and ``vllm-sparse-sync selftest``.
+
+Usage errors are one line on stderr and exit status 2, checked before any work starts.
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
 
-def _audit(args: argparse.Namespace) -> int:
+class UsageError(Exception):
+    """A bad option: reported as one line, exit status 2."""
+
+
+def check_output_path(option: str, path: str | None) -> None:
+    """Refuse an output file that cannot be written, before the work that fills it."""
+    if not path:
+        return
+    target = os.path.abspath(path)
+    folder = os.path.dirname(target)
+    if os.path.isdir(target):
+        raise UsageError(f"{option}: {path} is a directory")
+    if not os.path.isdir(folder):
+        raise UsageError(f"{option}: the folder {folder} does not exist")
+    if not os.access(folder, os.W_OK) or (os.path.exists(target) and not os.access(target, os.W_OK)):
+        raise UsageError(f"{option}: {path} is not writable")
+
+
+def parse_device(text: str | None):
+    """A torch device that exists here, or a UsageError saying why not."""
     import torch
 
+    if not text:
+        return None
+    try:
+        device = torch.device(text)
+    except (RuntimeError, TypeError) as exc:
+        raise UsageError(f"--device: {text!r} is not a torch device ({str(exc).splitlines()[0]})") from None
+    if device.type == "cuda":
+        from .testing.cuda_env import no_cuda_reason
+
+        reason = no_cuda_reason()
+        if reason:
+            raise UsageError(f"--device {text}: {reason}")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise UsageError(f"--device {text}: only {torch.cuda.device_count()} CUDA device(s) visible")
+    elif device.type != "cpu":
+        raise UsageError(f"--device: {text!r}: the audit runs on cpu or cuda")
+    return device
+
+
+def _audit(args: argparse.Namespace) -> int:
     from .audit import AUDIT_PATHS, format_table, rows_to_json, run_audit
 
     paths = AUDIT_PATHS
@@ -17,14 +60,12 @@ def _audit(args: argparse.Namespace) -> int:
         known = {p.name: p for p in AUDIT_PATHS}
         unknown = [p for p in args.path if p not in known]
         if unknown:
-            print(f"error: --path: unknown path(s) {', '.join(unknown)}; known: {', '.join(known)}",
-                  file=sys.stderr)
-            return 2
+            raise UsageError(f"--path: unknown path(s) {', '.join(unknown)}; known: {', '.join(known)}")
         paths = tuple(known[p] for p in args.path)
     if args.batches < 1:
-        print(f"error: --batches: must be >= 1, got {args.batches}", file=sys.stderr)
-        return 2
-    device = torch.device(args.device) if args.device else None
+        raise UsageError(f"--batches: must be >= 1, got {args.batches}")
+    check_output_path("--json", args.json)
+    device = parse_device(args.device)
     rows = run_audit(paths, device=device, seed=args.seed, batches=args.batches)
     print(format_table(rows))
     if args.json:
@@ -35,16 +76,22 @@ def _audit(args: argparse.Namespace) -> int:
 
 def _selftest(args: argparse.Namespace) -> int:
     try:
+        from .testing import layers as layer_registry
         from .testing.selftest import main as selftest_main
     except ImportError as e:  # the harness is optional at import time
-        print(f"error: selftest needs vllm_sparse_sync.testing ({e})", file=sys.stderr)
-        return 2
-    return int(selftest_main(args.rest) or 0)
+        raise UsageError(f"selftest needs vllm_sparse_sync.testing ({e})") from None
+    check_output_path("--json", args.json)
+    try:
+        layer_registry.parse_layers(args.layers)
+    except (TypeError, ValueError) as exc:
+        raise UsageError(f"--layers: {exc}") from None
+    argv = ["--layers", args.layers] + (["--json", args.json] if args.json else [])
+    return int(selftest_main(argv) or 0)
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``vllm-sparse-sync`` command."""
-    parser = argparse.ArgumentParser(prog="vllm-sparse-sync", description=__doc__)
+    parser = argparse.ArgumentParser(prog="vllm-sparse-sync", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     audit = sub.add_parser("audit", help="run every bound path through builder and kernels")
     audit.add_argument("--json", metavar="FILE", help="also write the rows as a JSON list to FILE")
@@ -57,7 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="random batches per path; each row reports the worst (default 4)")
     audit.set_defaults(func=_audit)
     selftest = sub.add_parser("selftest", help="measure which torch ops synchronize, per layer")
-    selftest.add_argument("rest", nargs=argparse.REMAINDER, help="options passed to the selftest")
+    selftest.add_argument("--layers", default="sentinel,debug_mode,trace,runtime_api,capture",
+                          help="comma-separated layers to measure (default: all)")
+    selftest.add_argument("--json", metavar="FILE", help="also write the rows as JSON to FILE")
     selftest.set_defaults(func=_selftest)
     return parser
 
@@ -65,7 +114,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``vllm-sparse-sync`` console script."""
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except UsageError as exc:
+        print(f"vllm-sparse-sync {args.command}: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

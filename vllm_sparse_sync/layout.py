@@ -55,6 +55,13 @@ class IndexerLayout:
             raise ValueError(
                 f"dcp_rank: must lie in [0, dcp_world_size={self.dcp_world_size}), got {self.dcp_rank}"
             )
+        if self.page_size & (self.page_size - 1):
+            raise ValueError(f"page_size: must be a power of two (the kernels' tiles), got {self.page_size}")
+        if self.page_size % self.cp_interleave:
+            raise ValueError(
+                f"cp_interleave: must divide page_size={self.page_size} (a page never splits an "
+                f"interleave group), got {self.cp_interleave}"
+            )
         if self.compress_ratio > 1 and self.page_size % self.compress_ratio:
             raise ValueError(
                 f"page_size: compress_ratio={self.compress_ratio} does not divide page_size={self.page_size}"

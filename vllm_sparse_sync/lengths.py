@@ -1,5 +1,7 @@
 """Coordinate transforms of sequence lengths, on Python ints, CPU tensors and device tensors.
 
+Host values may be Python ints or numpy arrays, device values tensors.
+
 Coordinates: *tokens* (uncompressed, what the scheduler counts) vs *compressed rows*
 (``tokens // ratio``); *per request* vs *per decode token* (MTP / spec decode); *global* vs
 *DCP-local* (this rank's share). A decode row's kernel length is
@@ -12,9 +14,10 @@ from __future__ import annotations
 
 from typing import TypeVar
 
+import numpy as np
 import torch
 
-Lengths = TypeVar("Lengths", int, torch.Tensor)
+Lengths = TypeVar("Lengths", int, np.ndarray, torch.Tensor)
 
 
 def compress(lengths: Lengths, ratio: int) -> Lengths:
@@ -56,6 +59,8 @@ def dcp_localize(lengths: Lengths, world_size: int, rank: int, interleave: int =
     rem = lengths % span - rank * interleave
     if isinstance(rem, torch.Tensor):
         return base + rem.clamp(0, interleave)
+    if isinstance(rem, np.ndarray):
+        return base + np.clip(rem, 0, interleave)
     return base + min(max(rem, 0), interleave)
 
 

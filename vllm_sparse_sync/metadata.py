@@ -1,26 +1,29 @@
 """Sync-free decode metadata for the indexer: persistent buffers written by ``build()``.
 
-Host decisions (row count, the top-k bound, validation) come from CPU shadows only; device
-work writes into buffers allocated once, so every tensor a captured kernel reads keeps its
-address from step to step. ``build()`` never reads device data on the host, except in the
-explicit ``legacy_device_sync`` mode that reproduces the old regression for baselines.
+Host decisions (row count, the top-k bound, validation) come from CPU shadows only, as numpy
+views of them; device work writes into buffers allocated once, so every tensor a captured
+kernel reads keeps its address from step to step. On CUDA the device work is one Triton
+launch; elsewhere a few torch ops. ``build()`` never reads device data on the host, except in
+the explicit ``legacy_device_sync`` mode that reproduces the old regression for baselines.
+
+Host-hint contract: ``max_seq_len`` and an authoritative shadow must bound the device lengths
+(``seq_lens[i] <= max_seq_len``; an authoritative shadow equals them). A hint below a device
+length makes the bound drop tokens silently; ``check_bound=True`` (or
+``VLLM_SPARSE_SYNC_DEVICE_CHECKS=1``) adds a device-side assertion, no host sync, that the
+bound covers every row.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from .bounds import (
-    BoundSource,
-    DecodeTopkBound,
-    SeqLenShadow,
-    decode_topk_bound,
-    query_lens_from_start_loc,
-)
+from .bounds import BoundSource, DecodePlan, DecodeTopkBound, SeqLenShadow, decode_topk_bound, plan_decode
+from .kernels.reference import device_checks_enabled
 from .layout import IndexerLayout
-from .lengths import expand_per_token, kernel_lengths, token_request_index
+from .lengths import kernel_lengths
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,12 @@ class IndexerDecodeMetadata:
     num_rows: int
 
 
+def _flag(name: str, v: object) -> bool:
+    if not isinstance(v, bool):
+        raise TypeError(f"{name}: must be a bool, got {v!r}")
+    return v
+
+
 class IndexerMetadataBuilder:
     """Builds indexer decode metadata into persistent device buffers, without host syncs."""
 
@@ -69,7 +78,10 @@ class IndexerMetadataBuilder:
         max_pages_per_req: int,
         device: torch.device | str,
         legacy_device_sync: bool = False,
+        check_bound: bool | None = None,
     ) -> None:
+        if not isinstance(layout, IndexerLayout):
+            raise TypeError(f"layout: must be an IndexerLayout, got {type(layout).__name__}")
         for name, value in (("max_num_reqs", max_num_reqs), ("max_num_tokens", max_num_tokens),
                             ("max_pages_per_req", max_pages_per_req)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -79,11 +91,25 @@ class IndexerMetadataBuilder:
         self.max_num_tokens = max_num_tokens
         self.max_pages_per_req = max_pages_per_req
         self.device = torch.device(device)
-        self.legacy_device_sync = legacy_device_sync
+        self.legacy_device_sync = _flag("legacy_device_sync", legacy_device_sync)
+        self.check_bound = (device_checks_enabled() if check_bound is None
+                            else _flag("check_bound", check_bound))
         kw = dict(dtype=torch.int32, device=self.device)
         self.row_lens_buffer = torch.zeros(max_num_tokens, **kw)
         self.block_table_buffer = torch.full((max_num_tokens, max_pages_per_req), -1, **kw)
         self.active_width_buffer = torch.zeros(1, **kw)
+        self._dirty_rows = 0  # rows of row_lens_buffer that may hold a nonzero length
+        self._views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._token_maps: dict[bytes, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._launch = self._triton_launcher() if self.device.type == "cuda" else None
+
+    @staticmethod
+    def _triton_launcher():
+        try:
+            from .kernels.triton_metadata import launch_decode_rows
+        except ImportError:  # no Triton: the torch path, a few more launches
+            return None
+        return launch_decode_rows
 
     # ------------------------------------------------------------------ host side
     @property
@@ -101,11 +127,11 @@ class IndexerMetadataBuilder:
             raise ValueError(f"{name}: must be a {dims}-D int32 tensor, got {t.dtype} {tuple(t.shape)}")
         return t
 
-    def _validate(self, batch: DecodeBatch, bound: DecodeTopkBound) -> tuple[list[int], int]:
-        """Host checks from CPU data and tensor metadata only; returns (query_lens, num_rows)."""
-        query_lens = query_lens_from_start_loc(batch.query_start_loc_cpu)
-        n = len(query_lens)
-        num_rows = sum(query_lens)
+    def _validate(self, batch: DecodeBatch, plan: DecodePlan) -> None:
+        """Host checks of shapes, dtypes and devices (tensor metadata, never data)."""
+        if not isinstance(batch, DecodeBatch):
+            raise TypeError(f"batch: must be a DecodeBatch, got {type(batch).__name__}")
+        n, num_rows = plan.num_reqs, plan.num_rows
         if n > self.max_num_reqs:
             raise ValueError(f"query_start_loc_cpu: {n} requests exceed max_num_reqs={self.max_num_reqs}")
         if num_rows > self.max_num_tokens:
@@ -124,64 +150,119 @@ class IndexerMetadataBuilder:
                 f"block_table: must be [>= {n} requests, <= max_pages_per_req={self.max_pages_per_req}], "
                 f"got {tuple(bt.shape)}"
             )
-        if bound.value > bt.shape[1] * self.layout.page_size:
+        if plan.bound.value > bt.shape[1] * self.layout.page_size:
             raise ValueError(
                 f"block_table: {bt.shape[1]} pages of {self.layout.page_size} rows hold fewer than the "
-                f"{bound.value} kernel rows that max_seq_len={batch.max_seq_len} allows"
+                f"{plan.bound.value} kernel rows that max_seq_len={batch.max_seq_len} allows"
             )
-        return query_lens, num_rows
+
+    def _token_map(self, query_lens: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """Host-built (request, query tokens after it) per decode token, cached per query layout."""
+        key = query_lens.tobytes()
+        hit = self._token_maps.get(key)
+        if hit is None:
+            req = np.repeat(np.arange(query_lens.size), query_lens)
+            starts = np.concatenate(([0], np.cumsum(query_lens)[:-1]))
+            after = (query_lens[req] - 1 - (np.arange(req.size) - starts[req])).astype(np.int32)
+            hit = (torch.from_numpy(req), torch.from_numpy(after))
+            if len(self._token_maps) > 256:
+                self._token_maps.clear()
+            self._token_maps[key] = hit
+        return hit
 
     # ---------------------------------------------------------------- device side
-    def _write_rows(self, batch: DecodeBatch, num_reqs: int) -> None:
-        """Per-token kernel lengths and block-table rows for every buffer row (padding -> 0)."""
+    def _write_rows(self, batch: DecodeBatch, plan: DecodePlan, bound: int) -> None:
+        """Kernel lengths and block-table rows of every decode token, stale rows zeroed, the
+        active width set."""
         lay = self.layout
-        cap = self.max_num_tokens
-        per_token = expand_per_token(batch.seq_lens[:num_reqs], batch.query_start_loc, cap)
-        rows = kernel_lengths(per_token, lay.compress_ratio, lay.dcp_world_size, lay.dcp_rank,
-                              lay.cp_interleave)
-        self.row_lens_buffer.copy_(rows)
-        pages = batch.block_table.shape[1]
-        if num_reqs == 0:
-            self.block_table_buffer.fill_(-1)
-            return
-        req = token_request_index(batch.query_start_loc.long(), cap).clamp_max(num_reqs - 1)
-        self.block_table_buffer[:, :pages].copy_(batch.block_table.index_select(0, req))
-        if pages < self.max_pages_per_req:
-            self.block_table_buffer[:, pages:].fill_(-1)
+        n, num_rows = plan.num_reqs, plan.num_rows
+        clear_to = self._dirty_rows if self._dirty_rows > num_rows else num_rows
+        if self._launch is not None:
+            self._launch(batch.seq_lens, batch.query_start_loc, batch.block_table, self.row_lens_buffer,
+                         self.block_table_buffer, self.active_width_buffer, num_reqs=n, num_rows=num_rows,
+                         clear_to=clear_to, bound=bound, uniform_q=plan.uniform_query_len,
+                         ratio=lay.compress_ratio, world=lay.dcp_world_size, rank=lay.dcp_rank,
+                         interleave=lay.cp_interleave, max_reqs=self.max_num_reqs)
+        else:
+            self._write_rows_torch(batch, plan)
+            self.active_width_buffer.fill_(bound)
+        self._dirty_rows = num_rows
 
-    def _views(self, num_rows: int, bound: DecodeTopkBound) -> IndexerDecodeMetadata:
-        return IndexerDecodeMetadata(
-            row_lens=self.row_lens_buffer[:num_rows],
-            block_table=self.block_table_buffer[:num_rows],
-            active_width=self.active_width_buffer,
-            bound=bound,
-            num_rows=num_rows,
-        )
+    def _write_rows_torch(self, batch: DecodeBatch, plan: DecodePlan) -> None:
+        lay = self.layout
+        n, num_rows = plan.num_reqs, plan.num_rows
+        if num_rows:
+            seq = batch.seq_lens[:n]
+            if plan.uniform_query_len == 1:  # plain decode: a token per request, its full length
+                per_token, src = seq, batch.block_table[:n]
+            elif self.device.type == "cpu":
+                req, after = self._token_map(plan.query_lens)
+                per_token = (seq.index_select(0, req) - after).clamp_min(0)
+                src = batch.block_table.index_select(0, req)
+            else:  # a device without Triton: the token map on the device from query_start_loc
+                from .lengths import expand_per_token, token_request_index
+
+                per_token = expand_per_token(seq, batch.query_start_loc, num_rows)
+                req = token_request_index(batch.query_start_loc.long(), num_rows).clamp_max(n - 1)
+                src = batch.block_table.index_select(0, req)
+            rows = kernel_lengths(per_token, lay.compress_ratio, lay.dcp_world_size, lay.dcp_rank,
+                                  lay.cp_interleave)
+            row_view, table_view = self._row_views(num_rows)
+            row_view.copy_(rows)
+            pages = batch.block_table.shape[1]
+            table_view[:, :pages].copy_(src)
+            if pages < self.max_pages_per_req:
+                table_view[:, pages:].fill_(-1)
+        if self._dirty_rows > num_rows:
+            self.row_lens_buffer[num_rows:self._dirty_rows].zero_()
+
+    def _row_views(self, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        views = self._views.get(num_rows)
+        if views is None:
+            views = (self.row_lens_buffer[:num_rows], self.block_table_buffer[:num_rows])
+            self._views[num_rows] = views
+        return views
+
+    def _meta(self, num_rows: int, bound: DecodeTopkBound) -> IndexerDecodeMetadata:
+        row_view, table_view = self._row_views(num_rows)
+        return IndexerDecodeMetadata(row_lens=row_view, block_table=table_view,
+                                     active_width=self.active_width_buffer, bound=bound, num_rows=num_rows)
 
     def _legacy_bound(self, num_rows: int) -> DecodeTopkBound:
         seq_lens = self.row_lens_buffer[:num_rows]
         decode_topk_max_seq_len = int(seq_lens.max().item()) if num_rows else 0  # the old host sync
         return DecodeTopkBound(decode_topk_max_seq_len, BoundSource.LEGACY_DEVICE_SYNC)
 
+    def _assert_bound(self, num_rows: int, bound: int) -> None:
+        """Device-side assertion (no host sync) that no row exceeds the bound."""
+        if num_rows:
+            rows = self._row_views(num_rows)[0]
+            torch._assert_async(rows.le(bound).all(),
+                                f"indexer bound {bound} is below a device row length: a host hint "
+                                "(max_seq_len or an authoritative shadow) does not bound seq_lens")
+
     # -------------------------------------------------------------------- public
     def build(self, batch: DecodeBatch) -> IndexerDecodeMetadata:
         """Write one decode step's metadata into the persistent buffers and return views of them."""
-        bound = decode_topk_bound(
-            self.layout,
-            max_seq_len=batch.max_seq_len,
-            query_start_loc_cpu=batch.query_start_loc_cpu,
-            shadow=batch.shadow,
-        )
-        query_lens, num_rows = self._validate(batch, bound)
-        num_reqs = len(query_lens)
-        self._write_rows(batch, num_reqs)
+        if not isinstance(batch, DecodeBatch):
+            raise TypeError(f"batch: must be a DecodeBatch, got {type(batch).__name__}")
+        plan = plan_decode(self.layout, max_seq_len=batch.max_seq_len,
+                           query_start_loc_cpu=batch.query_start_loc_cpu, shadow=batch.shadow)
+        self._validate(batch, plan)
+        bound = plan.bound
+        self._write_rows(batch, plan, bound.value)
         if self.legacy_device_sync:
-            bound = self._legacy_bound(num_rows)
-        self.active_width_buffer.fill_(bound.value)
-        return self._views(num_rows, bound)
+            bound = self._legacy_bound(plan.num_rows)
+            self.active_width_buffer.fill_(bound.value)
+        if self.check_bound:
+            self._assert_bound(plan.num_rows, bound.value)
+        return self._meta(plan.num_rows, bound)
 
     def build_for_capture(self, num_reqs: int, num_tokens: int) -> IndexerDecodeMetadata:
         """Metadata for CUDA-graph capture: static shapes and the CAPTURE_STABLE bound, no shadows."""
+        for name, v in (("num_reqs", num_reqs), ("num_tokens", num_tokens)):
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError(f"{name}: must be an int, got {v!r}")
         if not 0 <= num_reqs <= self.max_num_reqs:
             raise ValueError(f"num_reqs: must lie in [0, max_num_reqs={self.max_num_reqs}], got {num_reqs}")
         if not num_reqs <= num_tokens <= self.max_num_tokens:
@@ -192,6 +273,6 @@ class IndexerMetadataBuilder:
         bound = decode_topk_bound(self.layout, max_seq_len=0, query_start_loc_cpu=None,  # type: ignore[arg-type]
                                   capturing=True)
         self.row_lens_buffer.zero_()
+        self._dirty_rows = 0
         self.active_width_buffer.fill_(bound.value)
-        return self._views(num_tokens, bound)
-
+        return self._meta(num_tokens, bound)

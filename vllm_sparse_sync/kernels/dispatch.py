@@ -19,8 +19,9 @@ def _triton():
 
 
 def _uses_triton(t: torch.Tensor) -> bool:
-    """Whether a call on `t` takes the Triton route (CUDA tensors)."""
-    return t.is_cuda
+    """Whether a call on `t` takes the Triton route (CUDA tensors; anything else meets the
+    reference's checks)."""
+    return isinstance(t, torch.Tensor) and t.is_cuda
 
 
 def _finish(result: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:

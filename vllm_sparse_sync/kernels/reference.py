@@ -100,7 +100,8 @@ def quantize_index_k(k: torch.Tensor, *, pow2_scale: bool = True) -> tuple[torch
     ``scale = max(amax, 1e-4) / 448``, rounded up to a power of two when ``pow2_scale`` (ue8m0,
     as vLLM stores it); ``k ~= k_fp8 * scale``.
     """
-    _check(isinstance(k, torch.Tensor), "k", f"must be a tensor, got {type(k).__name__}")
+    if not isinstance(k, torch.Tensor):
+        raise TypeError(f"k: must be a tensor, got {type(k).__name__}")
     _check(k.dim() == 2, "k", f"must be 2-D [tokens, head_dim], got {tuple(k.shape)}")
     _check(k.is_floating_point(), "k", f"must be floating point, got {k.dtype}")
     kf = k.float()
@@ -169,7 +170,8 @@ def effective_lengths(
 def _check_scorer_inputs(q_fp8, weights, k_cache, block_table, row_lens, active_width) -> None:
     for name, t in (("q_fp8", q_fp8), ("weights", weights), ("k_cache", k_cache),
                     ("block_table", block_table), ("row_lens", row_lens)):
-        _check(isinstance(t, torch.Tensor), name, f"must be a tensor, got {type(t).__name__}")
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: must be a tensor, got {type(t).__name__}")
     _check(q_fp8.dim() == 3, "q_fp8", f"must be 3-D [rows, heads, head_dim], got {tuple(q_fp8.shape)}")
     _check(q_fp8.dtype == FP8_DTYPE, "q_fp8", f"must be {FP8_DTYPE}, got {q_fp8.dtype}")
     rows, heads, _ = q_fp8.shape
