@@ -232,18 +232,62 @@ def test_bad_sync_layers_value_is_a_usage_error(pytester):
     assert result.ret == pytest.ExitCode.USAGE_ERROR
 
 
-def test_gpu_marker_skips_with_a_reason_without_cuda(pytester):
-    import torch
+GPU_AND_ENV = """
+import os
 
-    if torch.cuda.is_available():
-        pytest.skip("this host has CUDA")
-    result = _run(pytester, """
 @pytest.mark.gpu
-def test_needs_gpu():
-    raise AssertionError("must not run")
-""", "-rs")
-    result.assert_outcomes(skipped=1)
-    result.stdout.fnmatch_lines(["*SKIPPED*gpu test: *CUDA*"])
+def test_marked_gpu():
+    with open(os.path.join(os.environ["VSS_OUT"], "gpu_ran"), "w") as f:
+        f.write("yes")
+
+def test_reads_visible_devices():
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    with open(os.path.join(os.environ["VSS_OUT"], worker), "w") as f:
+        f.write(os.environ.get("CUDA_VISIBLE_DEVICES", "<unset>"))
+"""
+
+
+def _seen(path):
+    return {p.name: p.read_text() for p in path.iterdir()}
+
+
+def test_installing_the_package_changes_nothing_until_asked(pytester, monkeypatch):
+    """A scratch project: a `gpu`-marked test and a test that reads CUDA_VISIBLE_DEVICES run as
+    they would without the package (no skip, no pinning, no header, no warning filters)."""
+    out = pytester.mkdir("out")
+    monkeypatch.setenv("VSS_OUT", str(out))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    pytester.makeini("[pytest]\nmarkers =\n    gpu: the project's own marker\n")
+    pytester.makepyfile(test_user=HEADER + GPU_AND_ENV + """
+import warnings
+
+def test_prototype_warning_is_not_filtered():
+    warnings.warn("Synchronization debug mode is a prototype feature", UserWarning)
+""")
+    result = pytester.runpytest_subprocess("-n", "2", "-W", "error::UserWarning", "-p", "no:benchmark")
+    result.assert_outcomes(passed=2, failed=1)
+    assert "vllm-sparse-sync:" not in result.stdout.str()
+    seen = _seen(out)
+    assert seen.pop("gpu_ran") == "yes"
+    assert list(seen.values()) == ["0,1"]  # the worker's environment, untouched
+
+
+def test_opting_in_pins_workers_and_skips_gpu_tests_without_cuda(pytester, monkeypatch):
+    from vllm_sparse_sync.testing.cuda_env import no_cuda_reason
+
+    out = pytester.mkdir("out")
+    monkeypatch.setenv("VSS_OUT", str(out))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    pytester.makeini("[pytest]\nsync_gpu_marker = true\n")
+    pytester.makepyfile(test_user=HEADER + GPU_AND_ENV)
+    result = pytester.runpytest_subprocess("-n", "2", "-rs", "--sync-pin-gpus", "-p", "no:benchmark")
+    seen = _seen(out)
+    if no_cuda_reason() is not None:
+        result.assert_outcomes(passed=1, skipped=1)
+        result.stdout.fnmatch_lines(["*SKIPPED*gpu test: *CUDA*"])
+        assert "gpu_ran" not in seen
+    seen.pop("gpu_ran", None)
+    assert list(seen.values())[0] in ("0", "1")  # pinned to one of the two
 
 
 def test_sync_backend_option_deselects_other_backends(pytester):
@@ -259,7 +303,8 @@ def test_scenario(name):
     result.assert_outcomes(passed=2, deselected=1)
 
 
-def test_prototype_and_profiler_warnings_filtered_under_W_error(pytester):
+def test_prototype_and_profiler_warnings_filtered_under_W_error_when_asked(pytester):
+    pytester.makeini("[pytest]\nsync_filter_warnings = true\n")
     result = _run(pytester, """
 import warnings
 
@@ -276,9 +321,9 @@ def test_other_warnings_still_error():
 
 def test_plugin_registered_through_entry_point(pytester):
     pytester.makepyfile(test_user="def test_x(no_host_sync, sync_recorder):\n    pass\n")
-    result = pytester.runpytest_subprocess()
+    result = pytester.runpytest_subprocess("--sync-layers=sentinel")
     result.assert_outcomes(passed=1)
-    result.stdout.fnmatch_lines(["vllm-sparse-sync: layers=auto*"])
+    result.stdout.fnmatch_lines(["vllm-sparse-sync: layers=sentinel*"])
 
 
 def test_plugin_loadable_with_dash_p(pytester, monkeypatch):
@@ -291,3 +336,14 @@ def test_plugin_loadable_with_dash_p(pytester, monkeypatch):
     result.assert_outcomes(passed=1)
     result = pytester.runpytest_subprocess()
     result.assert_outcomes(errors=1)  # no plugin, no fixture
+
+
+def test_a_budget_marker_on_a_test_without_fixtures_is_not_a_vacuous_pass(pytester):
+    _cpu_only()
+    result = _run(pytester, """
+@pytest.mark.host_sync_budget(1)
+def test_budget_only():
+    torch.arange(3).tolist()
+""")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*SyncCheckUnavailable*"])

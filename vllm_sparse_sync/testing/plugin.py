@@ -1,35 +1,28 @@
-"""pytest plugin: fixtures, markers, options, report and summary of host syncs per test.
+"""pytest plugin of the harness: options, ini values and hooks only.
 
-Hooks and options only; detection lives in `layers/`, the checked region in `guard.py`.
+A guest in every project that installs the package: nothing changes until the project asks.
+GPU pinning per xdist worker (`--sync-pin-gpus` / `sync_pin_gpus`), skipping `gpu`-marked tests
+where CUDA is absent (`sync_gpu_marker`) and filtering torch's prototype and profiler warnings
+(`sync_filter_warnings`) are opt-in; fixtures live in `fixtures.py`, reporting in `report.py`,
+detection in `layers/`, the checked region in `guard.py`.
 """
 
 from __future__ import annotations
 
-import json
-import os
-
 import pytest
 
-from .records import Budget, HostSyncError, SyncRecord, count_by_kind
-from .xdist_pinning import pin_worker
+from .fixtures import enforce_budget, marker_budget, no_host_sync, sync_recorder, uses_harness_fixture
+from .report import SyncSession, store_checks
 
-PROPERTY = "vllm_sparse_sync.host_syncs"
+__all__ = ["no_host_sync", "sync_recorder"]
+
 WARNING_FILTERS = (
     r"ignore:.*[Ss]ynchronization debug mode is a prototype feature:UserWarning",
     r"ignore::UserWarning:torch\.(autograd\.)?profiler.*",
     r"ignore:.*The CUDA Graph is empty:UserWarning",
 )
-_KEY_CHECKS = pytest.StashKey[list]()
 UNAVAILABLE_CHOICES = ("error", "skip")
-
-
-def unavailable_policy(config) -> str:
-    """"error" or "skip": the command line first, then the ini option."""
-    value = config.getoption("sync_unavailable", None) or config.getini("sync_unavailable") or "error"
-    if value not in UNAVAILABLE_CHOICES:
-        raise pytest.UsageError(f"sync_unavailable: expected one of {', '.join(UNAVAILABLE_CHOICES)}, "
-                                f"got {value!r}")
-    return value
+_KEY_CHECKS = pytest.StashKey[list]()
 
 
 def pytest_addoption(parser):
@@ -42,34 +35,56 @@ def pytest_addoption(parser):
                     help="what a test does when none of its check's layers can run here: "
                          "error (default: the test fails, nothing was checked) or skip "
                          "(with the reason); ini: sync_unavailable")
-    parser.addini("sync_unavailable", default="error",
-                  help="error or skip: a check none of whose layers can run here "
-                       "(--sync-unavailable overrides)")
     group.addoption("--sync-report", default=None, metavar="FILE",
                     help="write a JSON report of every sync seen, per test")
     group.addoption("--sync-backend", default="all", choices=("all", "b12x", "deepgemm"),
                     help="keep only the decode scenarios of this backend")
-    group.addoption("--no-gpu-pinning", action="store_true", default=False,
-                    help="do not pin each xdist worker to its own GPU")
+    group.addoption("--sync-pin-gpus", action="store_true", default=None,
+                    help="pin each xdist worker to its own GPU(s) before CUDA initializes "
+                         "(ini: sync_pin_gpus)")
     group.addoption("--gpus-per-worker", type=int, default=1, metavar="N",
                     help="GPUs each xdist worker gets when pinning (default 1)")
+    parser.addini("sync_unavailable", default="error",
+                  help="error or skip: a check none of whose layers can run here "
+                       "(--sync-unavailable overrides)")
+    parser.addini("sync_pin_gpus", type="bool", default=False,
+                  help="pin each xdist worker to its own GPU(s) (--sync-pin-gpus)")
+    parser.addini("sync_gpu_marker", type="bool", default=False,
+                  help="register the `gpu` marker and skip its tests, with a reason, where CUDA "
+                       "is absent")
+    parser.addini("sync_filter_warnings", type="bool", default=False,
+                  help="filter torch's sync-debug prototype and profiler warnings (for -W error)")
+
+
+def unavailable_policy(config) -> str:
+    """"error" or "skip": the command line first, then the ini option."""
+    value = config.getoption("sync_unavailable", None) or config.getini("sync_unavailable") or "error"
+    if value not in UNAVAILABLE_CHOICES:
+        raise pytest.UsageError(f"sync_unavailable: expected one of {', '.join(UNAVAILABLE_CHOICES)}, "
+                                f"got {value!r}")
+    return value
+
+
+def _pin_requested(config) -> bool:
+    flag = config.getoption("sync_pin_gpus", None)
+    return bool(flag) or bool(config.getini("sync_pin_gpus"))
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_configure(config):
-    if not config.getoption("no_gpu_pinning", False):
+    config._vss_pinning = None
+    if _pin_requested(config):
+        from .xdist_pinning import pin_worker
+
         config._vss_pinning = pin_worker(per_worker=config.getoption("gpus_per_worker", 1))
-    else:
-        config._vss_pinning = "GPU pinning disabled (--no-gpu-pinning)"
     config.addinivalue_line(
         "markers", "host_sync_budget(n=0, kinds=None): syncs allowed per checked region "
                    "(no_host_sync) and in total over sync_recorder regions of the test")
     config.addinivalue_line(
-        "markers", "gpu: needs a CUDA device (skipped with a reason where CUDA is absent)")
-    config.addinivalue_line(
         "markers", "sync_backend(name): a decode scenario of this backend (--sync-backend)")
-    for f in WARNING_FILTERS:
-        config.addinivalue_line("filterwarnings", f)
+    if config.getini("sync_gpu_marker"):
+        config.addinivalue_line(
+            "markers", "gpu: needs a CUDA device (skipped with a reason where CUDA is absent)")
     from .guard import set_default_layers
 
     try:
@@ -82,47 +97,43 @@ def pytest_configure(config):
 
 
 def pytest_report_header(config):
+    spec = config.getoption("sync_layers")
+    opted_in = (spec != "auto" or config._vss_pinning is not None or config.getini("sync_gpu_marker")
+                or config.getoption("sync_unavailable", None))
+    if not opted_in:
+        return None
     from .guard import resolve_layers
 
-    spec = config.getoption("sync_layers")
     _, cannot = resolve_layers(None, watch=True)
     not_here = "; ".join(f"{k}: {v}" for k, v in cannot.items())
+    pinning = f", {config._vss_pinning}" if config._vss_pinning else ""
     return (f"vllm-sparse-sync: layers={spec}"
-            + (f" (cannot run here: {not_here})" if not_here else "")
-            + f", {getattr(config, '_vss_pinning', '')}")
+            + (f" (cannot run here: {not_here})" if not_here else "") + pinning)
 
 
 def pytest_collection_modifyitems(config, items):
     backend = config.getoption("sync_backend", "all")
-    keep, drop = [], []
-    for item in items:
-        mark = item.get_closest_marker("sync_backend")
-        if backend != "all" and mark is not None and mark.args and mark.args[0] != backend:
-            drop.append(item)
-        else:
-            keep.append(item)
-    if drop:
-        config.hook.pytest_deselected(items=drop)
-        items[:] = keep
-    gpu_items = [i for i in items if i.get_closest_marker("gpu") is not None]
-    if gpu_items:
-        from .cuda_env import no_cuda_reason
+    if backend != "all":
+        keep, drop = [], []
+        for item in items:
+            mark = item.get_closest_marker("sync_backend")
+            (drop if mark is not None and mark.args and mark.args[0] != backend else keep).append(item)
+        if drop:
+            config.hook.pytest_deselected(items=drop)
+            items[:] = keep
+    if config.getini("sync_filter_warnings"):  # per test: above -W on the command line
+        for item in items:
+            for f in WARNING_FILTERS:
+                item.add_marker(pytest.mark.filterwarnings(f))
+    if config.getini("sync_gpu_marker"):
+        gpu_items = [i for i in items if i.get_closest_marker("gpu") is not None]
+        if gpu_items:
+            from .cuda_env import no_cuda_reason
 
-        reason = no_cuda_reason()
-        if reason:
-            for item in gpu_items:
-                item.add_marker(pytest.mark.skip(reason=f"gpu test: {reason}"))
-    for item in items:
-        for f in WARNING_FILTERS:
-            item.add_marker(pytest.mark.filterwarnings(f))
-
-
-def marker_budget(item) -> Budget | None:
-    mark = item.get_closest_marker("host_sync_budget")
-    if mark is None:
-        return None
-    n = mark.args[0] if mark.args else mark.kwargs.get("n", 0)
-    return Budget(n=n, kinds=mark.kwargs.get("kinds"))
+            reason = no_cuda_reason()
+            if reason:
+                for item in gpu_items:
+                    item.add_marker(pytest.mark.skip(reason=f"gpu test: {reason}"))
 
 
 @pytest.hookimpl(wrapper=True)
@@ -141,118 +152,25 @@ def pytest_runtest_protocol(item, nextitem):
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item):
+    from .guard import SyncCheck, SyncCheckUnavailable
+
     checks = item.stash.get(_KEY_CHECKS, [])
     budget = marker_budget(item)
     auto = None
-    uses = set(getattr(item, "fixturenames", ()))
-    if budget is not None and not uses & {"no_host_sync", "sync_recorder"}:
-        from .cuda_env import no_cuda_reason
-        from .guard import SyncCheck
-
-        if no_cuda_reason() is None:
+    try:
+        if budget is not None and not uses_harness_fixture(item):
+            # a budget marker on a test without the fixtures: the whole test is the region
             auto = SyncCheck(raise_on_sync=False, where=item.nodeid)
             auto.__enter__()
-    from .guard import SyncCheckUnavailable
-
-    try:
         result = yield
     except SyncCheckUnavailable as exc:
-        if getattr(item.config, "_vss_unavailable", "error") == "skip":
+        if item.config._vss_unavailable == "skip":
             pytest.skip(str(exc))
         raise
     finally:
-        if auto is not None:
+        if auto is not None and auto._running:
             auto.__exit__(None, None, None)
-        _store(item, checks)
+        store_checks(item, checks)
     if budget is not None:
-        recorded = [r for c in checks if not c.raise_on_sync for r in c.records]
-        violations = budget.violations(recorded)
-        if violations:
-            raise HostSyncError(recorded, budget, f"test {item.nodeid}", violations=violations)
+        enforce_budget(item, budget, checks)
     return result
-
-
-def _store(item, checks) -> None:
-    if not checks:
-        return
-    records = [r.to_dict() for c in checks for r in c.records]
-    layers = sorted({n for c in checks for n in c.ran})
-    item.user_properties.append((PROPERTY, {"records": records, "layers": layers,
-                                            "regions": len(checks)}))
-
-
-class SyncSession:
-    """Per-run collector: records from every test, the terminal summary, the JSON report."""
-
-    def __init__(self, config):
-        self.config = config
-        self.results: dict[str, dict] = {}
-
-    def pytest_runtest_logreport(self, report):
-        if report.when != "call":
-            return
-        for name, value in getattr(report, "user_properties", ()):
-            if name == PROPERTY:
-                self.results[report.nodeid] = value
-
-    def summary_rows(self) -> list[str]:
-        rows = []
-        for nodeid in sorted(self.results):
-            data = self.results[nodeid]
-            counts = count_by_kind(SyncRecord.from_dict(d) for d in data["records"])
-            detail = ", ".join(f"{k}={v}" for k, v in sorted(counts.items())) or "none"
-            rows.append(f"{nodeid}: {len(data['records'])} sync record(s) [{detail}] "
-                        f"layers={','.join(data['layers']) or '-'}")
-        return rows
-
-    def pytest_terminal_summary(self, terminalreporter):
-        if not self.results:
-            return
-        tr = terminalreporter
-        tr.write_sep("=", "host sync summary (vllm_sparse_sync)")
-        rows = self.summary_rows()
-        limit = 60
-        for row in rows[:limit]:
-            tr.write_line(row)
-        if len(rows) > limit:
-            tr.write_line(f"... {len(rows) - limit} more tests (see --sync-report)")
-        total = sum(len(v["records"]) for v in self.results.values())
-        tr.write_line(f"{len(rows)} test(s) checked, {total} sync record(s) in total")
-
-    def pytest_sessionfinish(self, session):
-        path = self.config.getoption("sync_report", None)
-        if not path:
-            return
-        out = {}
-        for nodeid, data in sorted(self.results.items()):
-            recs = [SyncRecord.from_dict(d) for d in data["records"]]
-            out[nodeid] = {"counts": count_by_kind(recs), "layers": data["layers"],
-                           "regions": data["regions"], "records": data["records"]}
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(path, "w") as f:
-            json.dump({"tests": out}, f, indent=2, sort_keys=True)
-
-
-def _factory(request, raising: bool):
-    from .guard import SyncCheck
-
-    budget_mark = marker_budget(request.node)
-
-    def make(*, watch=(), layers=None, budget=None, where=None):
-        b = budget if budget is not None else (budget_mark if raising and budget_mark else 0)
-        return SyncCheck(watch=watch, layers=layers, budget=b, raise_on_sync=raising,
-                         where=where or request.node.nodeid)
-
-    return make
-
-
-@pytest.fixture
-def no_host_sync(request):
-    """`with no_host_sync(watch=[...]):` raises HostSyncError over budget (marker default)."""
-    return _factory(request, raising=True)
-
-
-@pytest.fixture
-def sync_recorder(request):
-    """`with sync_recorder(watch=[...]) as rec:` records; the marker budget applies per test."""
-    return _factory(request, raising=False)

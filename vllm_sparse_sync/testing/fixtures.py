@@ -1,0 +1,54 @@
+"""The harness's pytest fixtures and the `host_sync_budget` marker's enforcement."""
+
+from __future__ import annotations
+
+import pytest
+
+from .records import Budget, HostSyncError
+
+
+def marker_budget(item) -> Budget | None:
+    """The test's `host_sync_budget(n, kinds=...)` marker as a Budget, or None."""
+    mark = item.get_closest_marker("host_sync_budget")
+    if mark is None:
+        return None
+    n = mark.args[0] if mark.args else mark.kwargs.get("n", 0)
+    return Budget(n=n, kinds=mark.kwargs.get("kinds"))
+
+
+def uses_harness_fixture(item) -> bool:
+    return bool(set(getattr(item, "fixturenames", ())) & {"no_host_sync", "sync_recorder"})
+
+
+def enforce_budget(item, budget: Budget, checks) -> None:
+    """The marker's budget over every recorder region of the test (no_host_sync regions raise
+    on their own)."""
+    recorded = [r for c in checks if not c.raise_on_sync for r in c.records]
+    violations = budget.violations(recorded)
+    if violations:
+        raise HostSyncError(recorded, budget, f"test {item.nodeid}", violations=violations)
+
+
+def _factory(request, raising: bool):
+    from .guard import SyncCheck
+
+    budget_mark = marker_budget(request.node)
+
+    def make(*, watch=(), layers=None, budget=None, where=None):
+        b = budget if budget is not None else (budget_mark if raising and budget_mark else 0)
+        return SyncCheck(watch=watch, layers=layers, budget=b, raise_on_sync=raising,
+                         where=where or request.node.nodeid)
+
+    return make
+
+
+@pytest.fixture
+def no_host_sync(request):
+    """`with no_host_sync(watch=[...]):` raises HostSyncError over budget (marker default)."""
+    return _factory(request, raising=True)
+
+
+@pytest.fixture
+def sync_recorder(request):
+    """`with sync_recorder(watch=[...]) as rec:` records; the marker budget applies per test."""
+    return _factory(request, raising=False)
