@@ -11,7 +11,7 @@ each shape's step time over a committed run's. Times are medians of CUDA-graph r
 = replay time / calls per graph) with inputs rotated over enough copies that one graph's inputs
 exceed L2. Shapes are docs/design.md's (H=64, D=128, k=2048). Peers are measured when the
 checkout holds ``.peers/`` (DeepGEMM paged MQA logits) or ``.peers_topk/`` (vLLM top-k ops),
-made by ``../shared/peers/prepare.sh``; both folders do not fit one device transfer, so each may
+made by ``benchmarks/peers.sh``; both folders do not fit one device transfer, so each may
 come from a separate run (--combine).
 """
 

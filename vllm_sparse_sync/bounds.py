@@ -1,6 +1,6 @@
 """The decode top-k bound: the host scalar a scorer/top-k needs, chosen without device reads.
 
-The rules are the table of DESIGN.md section 2, written as one table (``SOURCE_RULES``) plus
+The rules are the table of docs/design.md section 3, written as one table (``SOURCE_RULES``) plus
 one value function per source. Every value is in the kernel's coordinates: per decode token,
 compressed rows when ``compress_ratio > 1``, DCP-local when ``dcp_world_size > 1``. Invariant:
 the value is never below the true maximum of the device row lengths.
@@ -139,9 +139,26 @@ def _first(mask: np.ndarray) -> int:
     return int(np.argmax(mask))
 
 
+_QUERY_LENS: dict[bytes, np.ndarray] = {}  # validated prefix sums seen lately (decode repeats them)
+
+
 def query_lens_host(query_start_loc_cpu: torch.Tensor) -> np.ndarray:
-    """Validated decode query lengths (int64 numpy) from the CPU prefix sum (``n + 1`` entries)."""
+    """Validated decode query lengths (int64 numpy, read-only) from the CPU prefix sum
+    (``n + 1`` entries)."""
     starts = _host_int_tensor("query_start_loc_cpu", query_start_loc_cpu).numpy()
+    key = starts.tobytes() + starts.dtype.char.encode()
+    hit = _QUERY_LENS.get(key)
+    if hit is not None:
+        return hit
+    q = _query_lens_of(starts)
+    q.flags.writeable = False
+    if len(_QUERY_LENS) > 1024:
+        _QUERY_LENS.clear()
+    _QUERY_LENS[key] = q
+    return q
+
+
+def _query_lens_of(starts: np.ndarray) -> np.ndarray:
     if starts.size < 1:
         raise ValueError("query_start_loc_cpu: needs n + 1 >= 1 entries, got 0")
     if starts[0] != 0:
@@ -230,7 +247,7 @@ def plan_decode(
     query_start_loc_cpu: torch.Tensor,
     shadow: SeqLenShadow | None = None,
 ) -> DecodePlan:
-    """Validate one step's host data and choose its bound (DESIGN section 2), without device reads."""
+    """Validate one step's host data and choose its bound (docs/design.md section 3), without device reads."""
     if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int):
         raise TypeError(f"max_seq_len: must be a host int, got {type(max_seq_len).__name__}")
     if not 0 <= max_seq_len <= layout.max_model_len:
@@ -265,7 +282,7 @@ def decode_topk_bound(
     shadow: SeqLenShadow | None = None,
     capturing: bool = False,
 ) -> DecodeTopkBound:
-    """Host bound on every decode row's kernel length, from host data only (DESIGN section 2)."""
+    """Host bound on every decode row's kernel length, from host data only (docs/design.md section 3)."""
     if capturing:
         return DecodeTopkBound(capture_stable_bound(layout), BoundSource.CAPTURE_STABLE)
     return plan_decode(layout, max_seq_len=max_seq_len, query_start_loc_cpu=query_start_loc_cpu,

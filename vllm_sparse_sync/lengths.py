@@ -49,11 +49,13 @@ def dcp_localize(lengths: Lengths, world_size: int, rank: int, interleave: int =
     """Global lengths -> this rank's local lengths under DCP.
 
     Token ``g`` lives on rank ``(g // I) % W``; the local length is
-    ``(L // (I*W)) * I + clamp(L % (I*W) - rank*I, 0, I)``.
+    ``(L // (I*W)) * I + clamp(L % (I*W) - rank*I, 0, I)``. Lengths are ``>= 0``.
     """
     check_dcp(world_size, rank, interleave)
     if world_size == 1:
         return lengths
+    if interleave == 1:  # tokens g < L with g % W == rank: ceil((L - rank) / W), 0 when L <= rank
+        return (lengths + (world_size - 1 - rank)) // world_size
     span = interleave * world_size
     base = (lengths // span) * interleave
     rem = lengths % span - rank * interleave

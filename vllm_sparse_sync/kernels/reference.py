@@ -2,7 +2,7 @@
 
 They run on any device (the CPU included) and favour clarity over speed: work is bounded by
 the live lengths, so they stay usable for small and medium shapes. Layouts and semantics are
-those of DESIGN.md section 4:
+those of docs/design.md section 5:
 
 * K cache page (``page_size`` tokens): ``uint8 [num_pages, page_size * (head_dim + 4)]``,
   planar: ``page_size x head_dim`` e4m3 bytes, then ``page_size`` fp32 per-token scales.

@@ -1,5 +1,5 @@
 """`vllm-sparse-sync selftest`: measure, on the installed torch, which ops synchronize the host
-and which detection layer sees each (the table of research/sync_harness.md section 1.2)."""
+and which detection layer sees each (docs/design.md section 6 lists the layers)."""
 
 from __future__ import annotations
 
