@@ -115,8 +115,10 @@ def test_builder_and_step_capture_once_and_replay_new_lengths(backend, query_len
     seq = torch.tensor([4000, 7000, 300], dtype=torch.int32, device=DEV)
     shadow = SeqLenShadow(seq.cpu())
 
+    qsl_dev = qsl.to(DEV)
+
     def batch():
-        return DecodeBatch(qsl.to(DEV), qsl, seq, shadow, case.block_table, max_len)
+        return DecodeBatch(qsl_dev, qsl, seq, shadow, case.block_table, max_len)
 
     out = torch.empty(n_rows, k, dtype=torch.int32, device=DEV)
     meta = builder.build_for_capture(len(query_lens), n_rows)
