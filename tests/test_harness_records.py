@@ -147,7 +147,15 @@ def test_worker_index_and_device_slices():
     assert devices_for_worker(0, []) == []
 
 
-def test_pinning_uses_visible_devices_without_cuda():
+@pytest.fixture
+def fresh_worker(monkeypatch):
+    """A worker in which CUDA is not initialized yet (an earlier test here may have done it)."""
+    import vllm_sparse_sync.testing.xdist_pinning as xp
+
+    monkeypatch.setattr(xp, "cuda_initialized", lambda: False)
+
+
+def test_pinning_uses_visible_devices_without_cuda(fresh_worker):
     env = {"PYTEST_XDIST_WORKER": "gw1", "CUDA_VISIBLE_DEVICES": "4,6"}
     assert visible_devices(env) == ["4", "6"]
     msg = pin_worker(env)
@@ -158,7 +166,7 @@ def test_pinning_uses_visible_devices_without_cuda():
     assert pin_worker({}) == "not an xdist worker"
 
 
-def test_pinning_counts_gpus_through_nvml_or_smi(monkeypatch):
+def test_pinning_counts_gpus_through_nvml_or_smi(monkeypatch, fresh_worker):
     import vllm_sparse_sync.testing.xdist_pinning as xp
 
     monkeypatch.setattr(xp, "_nvml_count", lambda: None)
@@ -172,10 +180,22 @@ def test_pinning_counts_gpus_through_nvml_or_smi(monkeypatch):
 
 
 def test_pinning_does_not_initialize_cuda():
-    import torch
+    """In a fresh process (this one may have initialized CUDA already)."""
+    import subprocess
+    import sys
 
-    pin_worker({"PYTEST_XDIST_WORKER": "gw0"})
-    assert not torch.cuda.is_initialized()
+    code = ("import torch; from vllm_sparse_sync.testing.xdist_pinning import pin_worker; "
+            "pin_worker({'PYTEST_XDIST_WORKER': 'gw0'}); print(torch.cuda.is_initialized())")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "False", proc.stderr
+
+
+def test_pinning_refuses_once_cuda_is_initialized(monkeypatch):
+    import vllm_sparse_sync.testing.xdist_pinning as xp
+
+    monkeypatch.setattr(xp, "cuda_initialized", lambda: True)
+    env = {"PYTEST_XDIST_WORKER": "gw1", "CUDA_VISIBLE_DEVICES": "4,6"}
+    assert "already initialized" in pin_worker(env) and env["CUDA_VISIBLE_DEVICES"] == "4,6"
 
 
 def test_user_frame_skips_the_warnings_module():
