@@ -13,6 +13,7 @@ a CUDA host for B <= 64; an eager step <= 100 us.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -34,16 +35,22 @@ BUILD_TARGET_US, STEP_TARGET_US = 60.0, 100.0
 
 
 def median_us(fn, device: torch.device, calls: int = CALLS) -> float:
-    """Median host microseconds of `fn()`; CUDA work is drained every 25 calls, untimed."""
+    """Median host microseconds of `fn()` (the garbage collector paused); CUDA work is drained
+    every 25 calls, untimed."""
     for _ in range(WARMUP):
         fn()
     times = []
-    for i in range(calls):
-        if device.type == "cuda" and i % 25 == 0:
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
+    gc.collect()
+    gc.disable()
+    try:
+        for i in range(calls):
+            if device.type == "cuda" and i % 25 == 0:
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+    finally:
+        gc.enable()
     if device.type == "cuda":
         torch.cuda.synchronize()
     return statistics.median(times) * 1e6

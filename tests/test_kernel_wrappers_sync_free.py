@@ -165,8 +165,8 @@ def test_a_wrapper_that_reads_its_output_back_is_caught(monkeypatch):
     _stub_launches(monkeypatch)
     orig = tk._launch_topk
 
-    def checking(route, logits, row_lens, active_width, ws, out, k, width):
-        orig(route, logits, row_lens, active_width, ws, out, k, width)
+    def checking(route, logits, row_lens, active_width, ws, out, k, width, **kw):
+        orig(route, logits, row_lens, active_width, ws, out, k, width, **kw)
         assert int(out.min()) >= -1  # planted: a host read of the kernel's output
 
     monkeypatch.setattr(tk, "_launch_topk", checking)

@@ -356,3 +356,24 @@ def test_metadata_kernel_matches_the_torch_path(ratio, world, rank, interleave, 
         assert torch.equal(fast.row_lens_buffer, slow.row_lens_buffer), query_lens
         assert torch.equal(a.block_table, b.block_table), query_lens
         assert torch.equal(fast.active_width_buffer, slow.active_width_buffer)
+
+
+@pytest.mark.parametrize("algo", ["radix", "sample", "fused"])
+def test_nan_scores_from_the_scorer_rank_below_every_number(algo):
+    """Tokens whose scale is NaN score NaN: every route leaves them for last, as the reference."""
+    k = 16
+    case = make_case([300, 200], heads=16, table_pages=5, seed=16)
+    page_bytes = 64 * 128
+    for page in case.block_table[0, :3].tolist():  # NaN scores at some positions of row 0
+        scales = case.k_cache[page, page_bytes:].view(torch.float32)
+        scales[::5] = float("nan")
+    cfg = FUSED if algo == "fused" else ALGOS[algo]
+    ws = IndexerTopkWorkspace(2, k, 320, "cpu", num_sms=16 if algo == "fused" else 4, config=cfg)
+    assert ws.route(2, 320, 64).fused == (algo == "fused")
+    got = tk.indexer_topk(*case.args, k, width=320, workspace=ws)
+    logits = ref.paged_indexer_logits(*case.args, 320)
+    assert bool(torch.isnan(logits[0]).any())
+    want = ref.indexer_topk(*case.args, k, width=320)
+    for r in range(2):
+        assert set(got[r].tolist()) == set(want[r].tolist()), r
+        assert not bool(torch.isnan(logits[r, got[r].long()]).any())

@@ -24,12 +24,16 @@ def live_length(lens_ptr, active_ptr, row, sel_width, HAS_ACTIVE: tl.constexpr):
 
 
 @triton.jit
-def sortable_key(x):
-    """int32 key of a float32 tensor, ordered as the floats (signed compare); NaN gets the
-    smallest key, below ``-inf``."""
+def sortable_key(x, NAN_LOW: tl.constexpr):
+    """int32 key of a float32 tensor, ordered as the floats (signed compare). A negative NaN's key
+    lies below ``-inf``'s; ``NAN_LOW`` also sends positive NaNs (any caller's scores) there, at the
+    cost of a compare per key. The scorer writes NaN scores as negative NaNs, so keys of its
+    scores need no check."""
     b = x.to(tl.int32, bitcast=True)
     key = tl.where(b < 0, b ^ 0x7FFFFFFF, b)
-    return tl.where(x != x, -2147483648, key)
+    if NAN_LOW:
+        key = tl.where(x != x, -2147483648, key)
+    return key
 
 
 @triton.jit

@@ -109,7 +109,7 @@ def fused_step_kernel(
             for j in tl.range(0, n_mine, num_stages=NUM_STAGES):
                 kb, scale, ok = page_keys(kc_ptr, ks_ptr, bt_row, j * parts + p, n_live, num_pages,
                                           page_stride, k_offs, D, PAGE)
-                v = sortable_key(tile_scores(kb, scale, ok, q_t, w, PRECISE))
+                v = sortable_key(tile_scores(kb, scale, ok, q_t, w, PRECISE), False)
                 keys2 = tl.where(jj[:, None] == j, v[None, :], keys2)
             keys = tl.reshape(keys2, [NSUB * PAGE])
             if PHASE == 1:
@@ -154,7 +154,7 @@ def fused_step_kernel(
                 n_cand = tl.sum(eq_c, 0)
                 # passes 2 and 3 over the candidates, then their positions
                 select_emit(ckey_row, cpos_row, n_cand, out_row + (K - need), prefix, need, 2, RBLK,
-                            False)
+                            False, False)
                 stalled = tl.load(stall_row, volatile=True) != 0
                 for j in range(0, K, 1024):
                     o = j + tl.arange(0, 1024)

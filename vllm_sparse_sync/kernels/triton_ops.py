@@ -57,7 +57,33 @@ def _check_cache(k_cache: torch.Tensor, head_dim: int) -> int:
     return page
 
 
+_CHECKED: dict[tuple, int] = {}  # input signatures (shapes, dtypes, strides) already checked
+
+
+def _signature(*tensors) -> tuple:
+    return tuple((t.shape, t.dtype, t.stride(), t.device) if isinstance(t, torch.Tensor) else t
+                 for t in tensors)
+
+
 def _check_scorer(q_fp8, weights, k_cache, block_table, row_lens, active_width) -> int:
+    """Page size of the scorer's inputs after checking them; each signature is checked once (the
+    checks read tensor metadata only, so a signature seen before passes the same way)."""
+    try:
+        key = _signature(q_fp8, weights, k_cache, block_table, row_lens, active_width)
+    except (AttributeError, TypeError):
+        key = None
+    page = _CHECKED.get(key) if key is not None else None
+    if page is not None:
+        return page
+    page = _check_scorer_once(q_fp8, weights, k_cache, block_table, row_lens, active_width)
+    if key is not None:
+        if len(_CHECKED) > 4096:
+            _CHECKED.clear()
+        _CHECKED[key] = page
+    return page
+
+
+def _check_scorer_once(q_fp8, weights, k_cache, block_table, row_lens, active_width) -> int:
     ref._check_scorer_inputs(q_fp8, weights, k_cache, block_table, row_lens, active_width)
     _check(q_fp8.is_contiguous() and weights.is_contiguous(), "q_fp8/weights", "must be contiguous")
     _check(block_table.stride(1) == 1, "block_table", "last dimension must be contiguous")
@@ -126,9 +152,12 @@ def _index_out(out: torch.Tensor | None, rows: int, k: int, device: torch.device
     return out
 
 
-def _launch_topk(route: Route, logits, row_lens, active_width, ws, out, k, width) -> None:
+def _launch_topk(route: Route, logits, row_lens, active_width, ws, out, k, width, *,
+                 nan_low: bool) -> None:
+    """The route's top-k launches; ``nan_low=False`` for scores from the scorer (NaN negative)."""
     launch = launch_sample_topk if route.kind == SAMPLE else launch_radix_topk
-    launch(logits, logits.stride(0), row_lens, active_width, ws, out, k, width, route.topk_chunks)
+    launch(logits, logits.stride(0), row_lens, active_width, ws, out, k, width, route.topk_chunks,
+           nan_low)
 
 
 def topk_indices(
@@ -155,7 +184,7 @@ def topk_indices(
         return out
     ws = _workspace(workspace, rows, k, 0, logits.device)
     route = ws.route(rows, width, 1, score=False)
-    _launch_topk(route, logits, row_lens, active_width, ws, out, k, width)
+    _launch_topk(route, logits, row_lens, active_width, ws, out, k, width, nan_low=True)
     return out
 
 
@@ -217,5 +246,5 @@ def indexer_topk(
         q_fp8, weights, k_cache, block_table, row_lens, active_width, logits, page_size=page,
         sel_width=width, fill_width=0, splits=route.score_splits, config=ws.config.scorer,
     )
-    _launch_topk(route, logits, row_lens, active_width, ws, out, k, width)
+    _launch_topk(route, logits, row_lens, active_width, ws, out, k, width, nan_low=False)
     return out

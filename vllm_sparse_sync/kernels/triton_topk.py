@@ -31,6 +31,7 @@ from .triton_common import (
 def radix_pass_kernel(
     x_ptr, stride_r, lens_ptr, active_ptr, hist_ptr, tick_ptr, state_ptr, sfx_ptr, gt_ptr, sel_width,
     K: tl.constexpr, PASS: tl.constexpr, HAS_ACTIVE: tl.constexpr, BLK: tl.constexpr,
+    NAN_LOW: tl.constexpr,
 ):
     """Histogram of radix digit ``PASS`` over keys matching the prefix of earlier passes.
 
@@ -57,7 +58,7 @@ def radix_pass_kernel(
     for t in range(t0, t1):
         x_next, pos_next = load_tile(x_row, t + 1, t1, n, BLK)
         inrow = pos < n
-        key = sortable_key(x)
+        key = sortable_key(x, NAN_LOW)
         if PASS == 0:
             match = inrow
         else:
@@ -94,6 +95,7 @@ def radix_emit_kernel(
     x_ptr, stride_r, lens_ptr, active_ptr, hist_ptr, tick_ptr, state_ptr, sfx_ptr, gt_ptr, out_ptr,
     stride_o, sel_width,
     K: tl.constexpr, HAS_ACTIVE: tl.constexpr, BLK: tl.constexpr, CHUNKS_P2: tl.constexpr,
+    NAN_LOW: tl.constexpr,
 ):
     """Write each row's top-k positions (``-1`` padded; ``0..n-1`` when n <= K); reset its histograms."""
     row = tl.program_id(0)
@@ -129,7 +131,7 @@ def radix_emit_kernel(
     for t in range(t0, t1):
         x_next, pos_next = load_tile(x_row, t + 1, t1, n, BLK)
         inrow = pos < n
-        key = sortable_key(x)
+        key = sortable_key(x, NAN_LOW)
         g = (inrow & (key > key_k)).to(tl.int32)
         slot = base_gt + tl.cumsum(g, 0) - g
         tl.store(out_row + slot, pos, mask=g != 0)
@@ -149,9 +151,10 @@ def radix_emit_kernel(
     tl.store(tick_ptr + 4 * rows + row, 0, mask=last)
 
 
-def launch_radix_topk(x, stride_r, row_lens, active, ws, out, k, sel_width, chunks):
+def launch_radix_topk(x, stride_r, row_lens, active, ws, out, k, sel_width, chunks, nan_low=True):
     """Launch radix passes 0..3 and the emit pass for ``x`` rows on ``ws`` buffers, ``chunks``
-    programs per row (the route's)."""
+    programs per row (the route's); ``nan_low=False`` for scores from the scorer (NaN already
+    negative)."""
     rows = out.shape[0]
     cfg = ws.config.topk
     has_active = active is not None
@@ -160,11 +163,12 @@ def launch_radix_topk(x, stride_r, row_lens, active, ws, out, k, sel_width, chun
     for p in range(4):
         radix_pass_kernel[grid](
             x, stride_r, row_lens, act, ws.hist, ws.ticks, ws.state, ws.chunk_sfx, ws.chunk_gt,
-            sel_width, K=k, PASS=p, HAS_ACTIVE=has_active, BLK=cfg.block, num_warps=cfg.warps,
+            sel_width, K=k, PASS=p, HAS_ACTIVE=has_active, BLK=cfg.block, NAN_LOW=nan_low,
+            num_warps=cfg.warps,
         )
     radix_emit_kernel[grid](
         x, stride_r, row_lens, act, ws.hist, ws.ticks, ws.state, ws.chunk_sfx, ws.chunk_gt, out,
         out.stride(0), sel_width,
         K=k, HAS_ACTIVE=has_active, BLK=cfg.block, CHUNKS_P2=triton.next_power_of_2(chunks),
-        num_warps=cfg.warps,
+        NAN_LOW=nan_low, num_warps=cfg.warps,
     )

@@ -40,6 +40,7 @@ def _kth_in_regs(key, valid, need):
 def sample_kernel(
     x_ptr, stride_r, lens_ptr, active_ptr, thr_ptr, sel_width,
     K: tl.constexpr, SMIN: tl.constexpr, S: tl.constexpr, HAS_ACTIVE: tl.constexpr,
+    NAN_LOW: tl.constexpr,
 ):
     """Threshold key of each row longer than ``SMIN``: the m-th largest of ``S`` strided samples."""
     row = tl.program_id(0)
@@ -47,7 +48,7 @@ def sample_kernel(
     if n > SMIN:
         n64 = n.to(tl.int64)
         pos = tl.arange(0, S).to(tl.int64) * n64 // S
-        key = sortable_key(tl.load(x_ptr + row.to(tl.int64) * stride_r + pos))
+        key = sortable_key(tl.load(x_ptr + row.to(tl.int64) * stride_r + pos), NAN_LOW)
         # m ~ 1.3x the samples expected above the k-th largest, plus 16
         m = (S * K * 13 + 10 * n64 - 1) // (10 * n64) + 16
         m = tl.minimum(m, S).to(tl.int32)
@@ -57,7 +58,7 @@ def sample_kernel(
 @triton.jit(do_not_specialize=["sel_width"])
 def count_kernel(
     x_ptr, stride_r, lens_ptr, active_ptr, thr_ptr, cnt_ptr, sel_width,
-    SMIN: tl.constexpr, HAS_ACTIVE: tl.constexpr, BLK: tl.constexpr,
+    SMIN: tl.constexpr, HAS_ACTIVE: tl.constexpr, BLK: tl.constexpr, NAN_LOW: tl.constexpr,
 ):
     """Per chunk: live keys at or above the row's threshold (0 for rows up to ``SMIN``)."""
     row = tl.program_id(0)
@@ -70,7 +71,7 @@ def count_kernel(
     acc = tl.zeros([BLK], dtype=tl.int32)
     for t in range(t0, t1):
         x, pos = load_tile(x_row, t, t1, n, BLK)
-        acc += ((pos < n) & (sortable_key(x) >= thr)).to(tl.int32)
+        acc += ((pos < n) & (sortable_key(x, NAN_LOW) >= thr)).to(tl.int32)
     tl.store(cnt_ptr + row * chunks + chunk, tl.sum(acc, 0))
 
 
@@ -86,7 +87,7 @@ def _row_counts(cnt_ptr, row, chunk, chunks, CHUNKS_P2: tl.constexpr):
 def compact_kernel(
     x_ptr, stride_r, lens_ptr, active_ptr, thr_ptr, cnt_ptr, ckey_ptr, cpos_ptr, sel_width,
     K: tl.constexpr, CAP: tl.constexpr, SMIN: tl.constexpr, HAS_ACTIVE: tl.constexpr,
-    BLK: tl.constexpr, CHUNKS_P2: tl.constexpr,
+    BLK: tl.constexpr, CHUNKS_P2: tl.constexpr, NAN_LOW: tl.constexpr,
 ):
     """Write the chunk's keys at or above the threshold, and their positions, in position order."""
     row = tl.program_id(0)
@@ -102,7 +103,7 @@ def compact_kernel(
     cp = cpos_ptr + row.to(tl.int64) * CAP
     for t in range(t0, t1):
         x, pos = load_tile(x_row, t, t1, n, BLK)
-        key = sortable_key(x)
+        key = sortable_key(x, NAN_LOW)
         g = ((pos < n) & (key >= thr)).to(tl.int32)
         slot = base + tl.cumsum(g, 0) - g
         tl.store(ck + slot, key, mask=g != 0)
@@ -111,12 +112,13 @@ def compact_kernel(
 
 
 @triton.jit
-def _src_tile(src, src_pos, t, cnt, RB: tl.constexpr, FROM_ROW: tl.constexpr):
+def _src_tile(src, src_pos, t, cnt, RB: tl.constexpr, FROM_ROW: tl.constexpr,
+              NAN_LOW: tl.constexpr):
     """Keys, positions and validity of tile ``t`` of the row's scores or of its candidates."""
     i = t * RB + tl.arange(0, RB)
     valid = i < cnt
     if FROM_ROW:
-        key = sortable_key(tl.load(src + i, mask=valid, other=float("-inf")))
+        key = sortable_key(tl.load(src + i, mask=valid, other=float("-inf")), NAN_LOW)
         pos = i
     else:
         # candidates may come from other programs of the same launch: read them from L2
@@ -127,7 +129,7 @@ def _src_tile(src, src_pos, t, cnt, RB: tl.constexpr, FROM_ROW: tl.constexpr):
 
 @triton.jit
 def select_emit(src, src_pos, cnt, out_row, prefix, want, FIRST: tl.constexpr, RB: tl.constexpr,
-                FROM_ROW: tl.constexpr):
+                FROM_ROW: tl.constexpr, NAN_LOW: tl.constexpr):
     """The ``want`` largest of ``cnt`` keys that share radix ``prefix`` (passes before ``FIRST``),
     in source order: above the k-th largest, then its ties."""
     n_t = tl.cdiv(cnt, RB)
@@ -135,7 +137,7 @@ def select_emit(src, src_pos, cnt, out_row, prefix, want, FIRST: tl.constexpr, R
     for p in tl.static_range(FIRST, 4):
         acc = tl.zeros([256], dtype=tl.int32)
         for t in range(0, n_t):
-            key, pos, valid = _src_tile(src, src_pos, t, cnt, RB, FROM_ROW)
+            key, pos, valid = _src_tile(src, src_pos, t, cnt, RB, FROM_ROW, NAN_LOW)
             acc += radix_hist(key, valid, prefix, p)
         d, need = pick_digit(acc, need)
         prefix = next_prefix(prefix, d, p)
@@ -143,7 +145,7 @@ def select_emit(src, src_pos, cnt, out_row, prefix, want, FIRST: tl.constexpr, R
     base_gt = tl.full((), 0, tl.int32)
     base_eq = tl.full((), 0, tl.int32)
     for t in range(0, n_t):
-        key, pos, valid = _src_tile(src, src_pos, t, cnt, RB, FROM_ROW)
+        key, pos, valid = _src_tile(src, src_pos, t, cnt, RB, FROM_ROW, NAN_LOW)
         g = (valid & (key > prefix)).to(tl.int32)
         tl.store(out_row + base_gt + tl.cumsum(g, 0) - g, pos, mask=g != 0)
         base_gt += tl.sum(g, 0)
@@ -157,7 +159,7 @@ def select_emit(src, src_pos, cnt, out_row, prefix, want, FIRST: tl.constexpr, R
 def resolve_kernel(
     x_ptr, stride_r, lens_ptr, active_ptr, cnt_ptr, ckey_ptr, cpos_ptr, out_ptr, stride_o, sel_width,
     chunks, K: tl.constexpr, CAP: tl.constexpr, SMIN: tl.constexpr, HAS_ACTIVE: tl.constexpr,
-    RB: tl.constexpr, CHUNKS_P2: tl.constexpr,
+    RB: tl.constexpr, CHUNKS_P2: tl.constexpr, NAN_LOW: tl.constexpr,
 ):
     """Each row's top-k positions (``0..n-1`` then ``-1`` when n <= K).
 
@@ -175,14 +177,15 @@ def resolve_kernel(
             tl.store(out_row + pos, tl.where(pos < n, pos, -1), mask=pos < K)
     elif (n > SMIN) & (c >= K) & (c <= CAP):
         off = row.to(tl.int64) * CAP
-        select_emit(ckey_ptr + off, cpos_ptr + off, c, out_row, 0, K, 0, RB, False)
+        select_emit(ckey_ptr + off, cpos_ptr + off, c, out_row, 0, K, 0, RB, False, NAN_LOW)
     else:
-        select_emit(x_ptr + row.to(tl.int64) * stride_r, x_ptr, n, out_row, 0, K, 0, RB, True)
+        select_emit(x_ptr + row.to(tl.int64) * stride_r, x_ptr, n, out_row, 0, K, 0, RB, True,
+                    NAN_LOW)
 
 
-def launch_sample_topk(x, stride_r, row_lens, active, ws, out, k, sel_width, chunks):
+def launch_sample_topk(x, stride_r, row_lens, active, ws, out, k, sel_width, chunks, nan_low=True):
     """Launch sample, count, compact and resolve for ``x`` rows on ``ws`` buffers, ``chunks``
-    programs per row (the route's)."""
+    programs per row (the route's); ``nan_low=False`` for scores from the scorer."""
     cfg = ws.config.topk
     rows = out.shape[0]
     has_active = active is not None
@@ -191,20 +194,21 @@ def launch_sample_topk(x, stride_r, row_lens, active, ws, out, k, sel_width, chu
     cap, smin, p2 = cfg.cap, cfg.sample_above, triton.next_power_of_2(chunks)
     sample_kernel[(rows,)](
         x, stride_r, row_lens, act, ws.thresh, sel_width,
-        K=k, SMIN=smin, S=cfg.samples, HAS_ACTIVE=has_active, num_warps=cfg.warps,
+        K=k, SMIN=smin, S=cfg.samples, HAS_ACTIVE=has_active, NAN_LOW=nan_low,
+        num_warps=cfg.warps,
     )
     count_kernel[grid](
         x, stride_r, row_lens, act, ws.thresh, ws.chunk_cnt, sel_width,
-        SMIN=smin, HAS_ACTIVE=has_active, BLK=cfg.block, num_warps=cfg.warps,
+        SMIN=smin, HAS_ACTIVE=has_active, BLK=cfg.block, NAN_LOW=nan_low, num_warps=cfg.warps,
     )
     compact_kernel[grid](
         x, stride_r, row_lens, act, ws.thresh, ws.chunk_cnt, ws.cand_key, ws.cand_pos, sel_width,
         K=k, CAP=cap, SMIN=smin, HAS_ACTIVE=has_active, BLK=cfg.block, CHUNKS_P2=p2,
-        num_warps=cfg.warps,
+        NAN_LOW=nan_low, num_warps=cfg.warps,
     )
     resolve_kernel[(rows,)](
         x, stride_r, row_lens, act, ws.chunk_cnt, ws.cand_key, ws.cand_pos, out, out.stride(0),
         sel_width, chunks,
         K=k, CAP=cap, SMIN=smin, HAS_ACTIVE=has_active, RB=cfg.resolve_block, CHUNKS_P2=p2,
-        num_warps=cfg.resolve_warps,
+        NAN_LOW=nan_low, num_warps=cfg.resolve_warps,
     )

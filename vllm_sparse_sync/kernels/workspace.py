@@ -99,6 +99,7 @@ class IndexerTopkWorkspace:
         self.fused_cnt = torch.zeros(slots * 2 if fr else 0, **i32)
         self.fused_stall = torch.zeros(max(fr, 1), **i32)
         self._fused_stash: torch.Tensor | None = None
+        self._routes: dict[tuple, Route] = {}
 
     @property
     def fused_rows(self) -> int:
@@ -110,8 +111,16 @@ class IndexerTopkWorkspace:
         return DeviceInfo(self.num_sms, cooperative, self.fused_ctas_per_sm)
 
     def route(self, rows: int, width: int, page: int, *, score: bool = True) -> Route:
-        """The planner's route for a call of ``rows`` rows and width bound ``width`` here."""
-        return plan_route(rows, width, page, self.device_info(), self.config, score=score)
+        """The planner's route for a call of ``rows`` rows and width bound ``width`` here
+        (memoized: the planner is pure)."""
+        key = (rows, width, page, score, self.fused_ctas_per_sm)
+        route = self._routes.get(key)
+        if route is None:
+            route = plan_route(rows, width, page, self.device_info(), self.config, score=score)
+            if len(self._routes) > 4096:
+                self._routes.clear()
+            self._routes[key] = route
+        return route
 
     def fused_stash(self, numel: int) -> torch.Tensor:
         """Keys between the interpreter's fused phases (never used on the GPU route)."""
