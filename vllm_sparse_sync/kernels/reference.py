@@ -6,7 +6,9 @@ those of docs/design.md section 5:
 
 * K cache page (``page_size`` tokens): ``uint8 [num_pages, page_size * (head_dim + 4)]``,
   planar: ``page_size x head_dim`` e4m3 bytes, then ``page_size`` fp32 per-token scales.
-* ``logit[r, t] = k_scale[t] * sum_h w[r, h] * relu(q[r, h, :] . k[t, :])``, fp32.
+* ``logit[r, t] = k_scale[t] * sum_h w[r, h] * relu(q[r, h, :] . k[t, :])``, fp32; ``relu`` is
+  IEEE maxNum (a NaN dot product counts as 0, as the GPU's max instruction does); NaN weights or
+  scales make NaN scores.
 * A position is live when ``t < min(row_len[r], active_width[0], pages * page_size)`` and its
   page id is in ``[0, num_pages)``; other positions score ``-inf``.
 * Top-k: ``int32 [rows, k]``, the set of the ``k`` best positions first, then ``-1``
@@ -216,7 +218,8 @@ def paged_indexer_logits(
         k = values[safe, t % page].float()  # [n, D]
         s = scales[safe, t % page]
         dots = q_fp8[r].float() @ k.T  # [H, n]
-        logit = (weights[r][:, None] * dots.clamp_min(0)).sum(0) * s
+        relu = torch.where(torch.isnan(dots), torch.zeros_like(dots), dots).clamp_min(0)  # maxNum
+        logit = (weights[r][:, None] * relu).sum(0) * s
         out[r, :n] = torch.where(ok, logit, torch.full_like(logit, float("-inf")))
     return out
 

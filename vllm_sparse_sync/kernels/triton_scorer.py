@@ -87,8 +87,7 @@ def tile_scores(kb, scale, ok, q_t, w, PRECISE: tl.constexpr):
         dots = tl.dot(k8.to(tl.float16), q_t)
     else:
         dots = tl.dot(k8, q_t)
-    relu = tl.maximum(dots, 0.0, propagate_nan=tl.PropagateNan.ALL)  # NaN stays NaN, as in torch
-    v = tl.sum(relu * w[None, :], axis=1) * scale
+    v = tl.sum(tl.maximum(dots, 0.0) * w[None, :], axis=1) * scale  # maxNum relu: a NaN dot is 0
     neg = (v.to(tl.int32, bitcast=True) | -2147483648).to(tl.float32, bitcast=True)
     v = tl.where(v != v, neg, v)  # a negative NaN: its sortable key lies below -inf's
     return tl.where(ok, v, float("-inf"))
