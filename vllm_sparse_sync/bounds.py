@@ -139,23 +139,41 @@ def _first(mask: np.ndarray) -> int:
     return int(np.argmax(mask))
 
 
-_QUERY_LENS: dict[bytes, np.ndarray] = {}  # validated prefix sums seen lately (decode repeats them)
+@dataclass(frozen=True)
+class QueryLayout:
+    """What a validated ``query_start_loc_cpu`` says: per-request query lengths (read-only
+    int64), decode tokens, the query length all requests share (None if ragged; 0 with no
+    requests), whether every request has a token."""
+
+    query_lens: np.ndarray
+    num_rows: int
+    uniform: int | None
+    all_live: bool
+
+
+_QUERY_LAYOUTS: dict[bytes, QueryLayout] = {}  # prefix sums seen lately (decode repeats them)
+
+
+def query_layout(query_start_loc_cpu: torch.Tensor) -> QueryLayout:
+    """The validated query layout of a CPU prefix sum (``n + 1`` entries), memoized by value."""
+    starts = _host_int_tensor("query_start_loc_cpu", query_start_loc_cpu).numpy()
+    key = starts.tobytes() + starts.dtype.char.encode()
+    hit = _QUERY_LAYOUTS.get(key)
+    if hit is None:
+        q = _query_lens_of(starts)
+        q.flags.writeable = False
+        n = q.size
+        uniform = (int(q[0]) if (q == q[0]).all() else None) if n else 0
+        hit = QueryLayout(q, int(q.sum()), uniform, bool(n == 0 or q.min() > 0))
+        if len(_QUERY_LAYOUTS) > 1024:
+            _QUERY_LAYOUTS.clear()
+        _QUERY_LAYOUTS[key] = hit
+    return hit
 
 
 def query_lens_host(query_start_loc_cpu: torch.Tensor) -> np.ndarray:
-    """Validated decode query lengths (int64 numpy, read-only) from the CPU prefix sum
-    (``n + 1`` entries)."""
-    starts = _host_int_tensor("query_start_loc_cpu", query_start_loc_cpu).numpy()
-    key = starts.tobytes() + starts.dtype.char.encode()
-    hit = _QUERY_LENS.get(key)
-    if hit is not None:
-        return hit
-    q = _query_lens_of(starts)
-    q.flags.writeable = False
-    if len(_QUERY_LENS) > 1024:
-        _QUERY_LENS.clear()
-    _QUERY_LENS[key] = q
-    return q
+    """Validated decode query lengths (int64 numpy, read-only) from the CPU prefix sum."""
+    return query_layout(query_start_loc_cpu).query_lens
 
 
 def _query_lens_of(starts: np.ndarray) -> np.ndarray:
@@ -176,34 +194,42 @@ def query_lens_from_start_loc(query_start_loc_cpu: torch.Tensor) -> list[int]:
     return query_lens_host(query_start_loc_cpu).tolist()
 
 
-def _shadow_lens_host(shadow: SeqLenShadow, query_lens: np.ndarray, max_seq_len: int) -> np.ndarray:
+def _shadow_lens_host(shadow: SeqLenShadow, ql: QueryLayout, max_seq_len: int) -> tuple[np.ndarray, int]:
+    """The shadow's checked lengths and the longest live request's length (0 if none)."""
+    query_lens = ql.query_lens
     n = query_lens.size
     lens_t = _host_int_tensor("shadow.seq_lens_cpu", shadow.seq_lens_cpu)
     if lens_t.shape[0] < n:
         raise ValueError(f"shadow.seq_lens_cpu: needs one entry per request ({n}), got {lens_t.shape[0]}")
-    lens = lens_t.numpy()[:n].astype(np.int64)
+    lens = lens_t.numpy()[:n]
     if n == 0:
-        return lens
-    if (lens < 0).any():
+        return lens, 0
+    lo, hi = int(lens.min()), int(lens.max())
+    if lo < 0:
         i = _first(lens < 0)
         raise ValueError(f"shadow.seq_lens_cpu[{i}]: negative length {int(lens[i])}")
     if shadow.authoritative:
-        if (lens > max_seq_len).any():
+        if hi > max_seq_len:
             i = _first(lens > max_seq_len)
             raise ValueError(f"shadow.seq_lens_cpu[{i}]: authoritative length {int(lens[i])} exceeds "
                              f"max_seq_len={max_seq_len}")
-        if (lens < query_lens).any():
+        if (lo < ql.uniform) if ql.uniform is not None else bool((lens < query_lens).any()):
             i = _first(lens < query_lens)
             raise ValueError(f"shadow.seq_lens_cpu[{i}]: length {int(lens[i])} is shorter than its "
                              f"{int(query_lens[i])} query tokens")
-    return lens
+    if ql.all_live:
+        return lens, hi
+    live = lens[query_lens > 0]
+    return lens, int(live.max()) if live.size else 0
 
 
 def validated_shadow_lengths(
     shadow: SeqLenShadow, query_lens: list[int], max_seq_len: int
 ) -> list[int]:
     """The shadow's per-request lengths, checked against the query lengths and ``max_seq_len``."""
-    return _shadow_lens_host(shadow, np.asarray(query_lens, dtype=np.int64), max_seq_len).tolist()
+    q = np.asarray(query_lens, dtype=np.int64)
+    ql = QueryLayout(q, int(q.sum()), None, bool(q.size == 0 or q.min() > 0))
+    return _shadow_lens_host(shadow, ql, max_seq_len)[0].tolist()
 
 
 def _check_dcp_local(shadow: SeqLenShadow, layout: IndexerLayout, lens: np.ndarray) -> None:
@@ -247,7 +273,8 @@ def plan_decode(
     query_start_loc_cpu: torch.Tensor,
     shadow: SeqLenShadow | None = None,
 ) -> DecodePlan:
-    """Validate one step's host data and choose its bound (docs/design.md section 3), without device reads."""
+    """Validate one step's host data and choose its bound (docs/design.md section 3), without
+    device reads."""
     if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int):
         raise TypeError(f"max_seq_len: must be a host int, got {type(max_seq_len).__name__}")
     if not 0 <= max_seq_len <= layout.max_model_len:
@@ -256,22 +283,18 @@ def plan_decode(
         )
     if shadow is not None and not isinstance(shadow, SeqLenShadow):
         raise TypeError(f"shadow: must be a SeqLenShadow or None, got {type(shadow).__name__}")
-    query_lens = query_lens_host(query_start_loc_cpu)
+    ql = query_layout(query_start_loc_cpu)
     live_max = 0
     if shadow is not None:
-        lens = _shadow_lens_host(shadow, query_lens, max_seq_len)
+        lens, live_max = _shadow_lens_host(shadow, ql, max_seq_len)
         if shadow.dcp_local_seq_lens_cpu is not None:
             _check_dcp_local(shadow, layout, lens)
-        live = lens[query_lens > 0]
-        live_max = int(live.max()) if live.size else 0
     exact_usable = shadow is not None and shadow.authoritative
     source = SOURCE_RULES[(layout.backend, layout.is_compressed, exact_usable)]
     if source is BoundSource.CPU_EXACT and layout.uses_dcp:
         source = BoundSource.CPU_DCP_LOCAL
     bound = DecodeTopkBound(_VALUE_OF[source](layout, max_seq_len, live_max), source)
-    n = query_lens.size
-    uniform = int(query_lens[0]) if n and (query_lens == query_lens[0]).all() else (0 if n == 0 else None)
-    return DecodePlan(query_lens, int(query_lens.sum()), uniform, bound)
+    return DecodePlan(ql.query_lens, ql.num_rows, ql.uniform, bound)
 
 
 def decode_topk_bound(
@@ -282,7 +305,8 @@ def decode_topk_bound(
     shadow: SeqLenShadow | None = None,
     capturing: bool = False,
 ) -> DecodeTopkBound:
-    """Host bound on every decode row's kernel length, from host data only (docs/design.md section 3)."""
+    """Host bound on every decode row's kernel length, from host data only (docs/design.md
+    section 3)."""
     if capturing:
         return DecodeTopkBound(capture_stable_bound(layout), BoundSource.CAPTURE_STABLE)
     return plan_decode(layout, max_seq_len=max_seq_len, query_start_loc_cpu=query_start_loc_cpu,

@@ -192,9 +192,10 @@ class IndexerMetadataBuilder:
         lay = self.layout
         n, num_rows = plan.num_reqs, plan.num_rows
         if num_rows:
-            seq = batch.seq_lens[:n]
+            seq = batch.seq_lens if batch.seq_lens.shape[0] == n else batch.seq_lens[:n]
             if plan.uniform_query_len == 1:  # plain decode: a token per request, its full length
-                per_token, src = seq, batch.block_table[:n]
+                bt = batch.block_table
+                per_token, src = seq, bt if bt.shape[0] == n else bt[:n]
             elif self.device.type == "cpu":
                 req, after = self._token_map(plan.query_lens)
                 per_token = (seq.index_select(0, req) - after).clamp_min(0)
