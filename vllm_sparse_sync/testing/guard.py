@@ -84,7 +84,7 @@ class SyncCheck:
         self.layer_names, self.unavailable = resolve_layers(layers, watch=bool(self.watch))
         self.records: list[SyncRecord] = []
         self._running: list = []
-        self._sentinel = None
+        self._watcher = None
         self._defer = defer
         self._touched: int | None = None
         self.ran: list[str] = []
@@ -116,14 +116,14 @@ class SyncCheck:
     @property
     def touched(self) -> int | None:
         """Ops and launches in the region that used watched data (sentinel); None without it."""
-        if self._sentinel is not None:
-            return self._sentinel.touched
+        if self._watcher is not None:
+            return self._watcher.touched
         return self._touched
 
     def mark(self, *tensors) -> None:
         """Watch more tensors (sentinel) from inside the region."""
-        if self._sentinel is not None:
-            self._sentinel.mark(*tensors)
+        if self._watcher is not None:
+            self._watcher.mark(*tensors)
 
     def _region_layers(self) -> list[str]:
         return [n for n in self.layer_names if n in _layers.REGION_LAYERS]
@@ -163,8 +163,8 @@ class SyncCheck:
                 layer.start()
                 self._running.append(layer)
                 self.ran.append(name)
-                if name == _layers.SentinelLayer.name:
-                    self._sentinel = layer
+                if _layers.REGION_LAYERS[name].needs_watch:  # the layer that follows watched data
+                    self._watcher = layer
         except BaseException:
             self._stop_all()
             raise
@@ -173,9 +173,9 @@ class SyncCheck:
         while self._running:
             layer = self._running.pop()
             self.records.extend(layer.stop())
-        if self._sentinel is not None:
-            self._touched = self._sentinel.touched
-        self._sentinel = None
+        if self._watcher is not None:
+            self._touched = self._watcher.touched
+        self._watcher = None
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         self._stop_all()
