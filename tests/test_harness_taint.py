@@ -342,3 +342,19 @@ def test_touched_counts_use_of_watched_data():
     with sync_recorder(watch=[x], layers="sentinel") as used:
         (x + 1).cumsum(0)
     assert used.touched == 2
+
+
+def test_syncs_inside_an_allowed_region_are_shown_never_counted():
+    from vllm_sparse_sync.testing import allowed_syncs
+
+    x = _dev()
+    with no_host_sync(watch=[x], layers="sentinel") as check:
+        with allowed_syncs("a library's deliberate sync"):
+            x.tolist()
+    assert [r.allowed for r in check.records] == ["a library's deliberate sync"]
+    assert "[allowed: a library's deliberate sync]" in check.records[0].format()
+    with pytest.raises(HostSyncError, match="1 over|> budget 0"):
+        with no_host_sync(watch=[x], layers="sentinel"):
+            with allowed_syncs("deliberate"):
+                x.tolist()
+            x.cpu()  # outside the allowed region: counts

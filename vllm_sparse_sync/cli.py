@@ -52,7 +52,56 @@ def parse_device(text: str | None):
     return device
 
 
+def _vllm_audit_module():
+    """`vllm_sparse_sync.vllm.audit`, or a UsageError saying why vLLM cannot be audited here."""
+    from importlib import metadata
+
+    from .vllm_plugin import UnsupportedVllm, check_vllm_version
+
+    try:  # the version without importing vLLM: its CPU setup must come first
+        version = metadata.version("vllm")
+    except metadata.PackageNotFoundError:
+        raise UsageError('--target vllm: vLLM is not installed (pip install -e ".[vllm]", see the '
+                         "README's Checking vLLM)") from None
+    try:
+        check_vllm_version(version)
+    except UnsupportedVllm as exc:
+        raise UsageError(f"--target vllm: {exc}") from None
+    from .vllm import audit
+
+    return audit
+
+
+def _audit_vllm(args: argparse.Namespace) -> int:
+    if args.device:
+        raise UsageError("--device: the vLLM audit runs vLLM's builder where vLLM resolves its platform")
+    if args.batches < 1:
+        raise UsageError(f"--batches: must be >= 1, got {args.batches}")
+    check_output_path("--json", args.json)
+    va = _vllm_audit_module()
+    paths = tuple(args.path) if args.path else va.VLLM_PATHS
+    unknown = [p for p in paths if p not in va.VLLM_PATHS]
+    if unknown:
+        raise UsageError(f"--path: unknown vLLM path(s) {', '.join(unknown)}; "
+                         f"known: {', '.join(va.VLLM_PATHS)}")
+    try:
+        baseline = va.load_baseline(args.baseline)
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"--baseline: {exc}") from None
+    rows = va.run_vllm_audit(paths, seed=args.seed, batches=args.batches, with_plugin=args.with_plugin,
+                             baseline=baseline)
+    print(va.format_table(rows, baseline))
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(va.rows_to_json(rows) + "\n")
+    return 0 if all(r.ok for r in rows) else 1
+
+
 def _audit(args: argparse.Namespace) -> int:
+    if args.target == "vllm":
+        return _audit_vllm(args)
+    if args.with_plugin or args.baseline:
+        raise UsageError("--with-plugin and --baseline apply to --target vllm")
     from .audit import AUDIT_PATHS, format_table, rows_to_json, run_audit
 
     paths = AUDIT_PATHS
@@ -93,15 +142,26 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``vllm-sparse-sync`` command."""
     parser = argparse.ArgumentParser(prog="vllm-sparse-sync", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    audit = sub.add_parser("audit", help="run every bound path through builder and kernels")
+    audit = sub.add_parser("audit", help="run every bound path through builder and kernels "
+                                         "(--target vllm: vLLM's own builder)")
+    audit.add_argument("--target", choices=("project", "vllm"), default="project",
+                       help="project: this package's builder and kernels (default); vllm: vLLM's own "
+                            "indexer builder on every path it has (needs vLLM)")
+    audit.add_argument("--with-plugin", action="store_true",
+                       help="--target vllm: also the bound this project's vLLM plugin puts in "
+                            "vLLM's metadata")
+    audit.add_argument("--baseline", metavar="FILE",
+                       help="--target vllm: known upstream syncs to accept (JSON list of {site, why, "
+                            "link}); default: the ones found in vLLM 0.33")
     audit.add_argument("--json", metavar="FILE", help="also write the rows as a JSON list to FILE")
     audit.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
     audit.add_argument("--path", action="append", help="audit only this path (repeatable)")
     audit.add_argument("--seed", type=int, default=0,
                        help="random seed of the first batch (default 0); batch j of path i has "
                             "seed + i * batches + j")
-    audit.add_argument("--batches", type=int, default=4, metavar="N",
-                       help="random batches per path; each row reports the worst (default 4)")
+    audit.add_argument("--batches", type=int, default=None, metavar="N",
+                       help="random batches per path; each row reports the worst (default 4; "
+                            "--target vllm: 2)")
     audit.set_defaults(func=_audit)
     selftest = sub.add_parser("selftest", help="measure which torch ops synchronize, per layer")
     selftest.add_argument("--layers", default="sentinel,debug_mode,trace,runtime_api,capture",
@@ -114,6 +174,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``vllm-sparse-sync`` console script."""
     args = build_parser().parse_args(argv)
+    if getattr(args, "command", None) == "audit" and args.batches is None:
+        args.batches = 2 if args.target == "vllm" else 4
     try:
         return args.func(args)
     except UsageError as exc:

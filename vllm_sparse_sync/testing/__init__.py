@@ -14,7 +14,7 @@ from .layers import (
     SentinelLayer,
     TraceLayer,
 )
-from .records import KINDS, Budget, HostSyncError, SyncRecord
+from .records import KINDS, Budget, HostSyncError, SyncRecord, allowed_syncs
 from .watch import device_tensors
 
 __all__ = [
@@ -30,6 +30,7 @@ __all__ = [
     "SyncCheckUnavailable",
     "SyncRecord",
     "TraceLayer",
+    "allowed_syncs",
     "check_step",
     "decode_graph",
     "device_tensors",

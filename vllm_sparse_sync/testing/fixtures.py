@@ -52,3 +52,26 @@ def no_host_sync(request):
 def sync_recorder(request):
     """`with sync_recorder(watch=[...]) as rec:` records; the marker budget applies per test."""
     return _factory(request, raising=False)
+
+
+NO_VLLM = 'needs vLLM: pip install -e ".[vllm]" (see the README\'s Checking vLLM)'
+
+
+def vllm_case_params():
+    """One `pytest.param` per path of vLLM's indexer builder; a skip where vLLM is missing."""
+    try:
+        from ..vllm import VLLM_PATHS
+    except ModuleNotFoundError as exc:
+        if exc.name != "vllm":
+            raise
+        return [pytest.param(None, marks=pytest.mark.skip(reason=NO_VLLM), id="no-vllm")]
+    return [pytest.param(p, id=p) for p in VLLM_PATHS]
+
+
+@pytest.fixture
+def vllm_indexer_case(request):
+    """vLLM's real indexer builder and a real `CommonAttentionMetadata` batch, one test per path
+    (`case.build()`, `case.watch()`); the process is prepared for vLLM by `--sync-vllm`."""
+    from ..vllm import make_vllm_case
+
+    return make_vllm_case(request.param, seed=0)

@@ -11,10 +11,18 @@ from __future__ import annotations
 
 import pytest
 
-from .fixtures import enforce_budget, marker_budget, no_host_sync, sync_recorder, uses_harness_fixture
+from .fixtures import (
+    enforce_budget,
+    marker_budget,
+    no_host_sync,
+    sync_recorder,
+    uses_harness_fixture,
+    vllm_case_params,
+    vllm_indexer_case,
+)
 from .report import SyncSession, store_checks
 
-__all__ = ["no_host_sync", "sync_recorder"]
+__all__ = ["no_host_sync", "sync_recorder", "vllm_indexer_case"]
 
 WARNING_FILTERS = (
     r"ignore:.*[Ss]ynchronization debug mode is a prototype feature:UserWarning",
@@ -44,6 +52,14 @@ def pytest_addoption(parser):
                          "(ini: sync_pin_gpus)")
     group.addoption("--gpus-per-worker", type=int, default=1, metavar="N",
                     help="GPUs each xdist worker gets when pinning (default 1)")
+    group.addoption("--sync-vllm", action="store_true", default=None,
+                    help="vLLM mode: prepare the process for vLLM before it is imported (CPU platform "
+                         "and Triton interpreter where CUDA is absent), record vLLM's gpu_sync_allowed() "
+                         "syncs as allowed, accept known upstream syncs (ini: sync_vllm)")
+    parser.addini("sync_vllm", type="bool", default=False, help="vLLM mode (--sync-vllm)")
+    parser.addini("sync_vllm_baseline", default="",
+                  help="known upstream vLLM syncs to accept in vLLM mode: a JSON list of {site, why, "
+                       "link}; default: the ones found in vLLM 0.33")
     parser.addini("sync_unavailable", default="error",
                   help="error or skip: a check none of whose layers can run here "
                        "(--sync-unavailable overrides)")
@@ -92,8 +108,37 @@ def pytest_configure(config):
     except (TypeError, ValueError) as exc:
         raise pytest.UsageError(f"--sync-layers: {exc}") from None
     config._vss_unavailable = unavailable_policy(config)
+    if config.getoption("sync_vllm", None) or config.getini("sync_vllm"):
+        _enter_vllm_mode(config)
     if not hasattr(config, "workerinput"):  # the controller (or a run without xdist)
         config.pluginmanager.register(SyncSession(config), "vllm_sparse_sync_session")
+
+
+def _enter_vllm_mode(config) -> None:
+    """Prepare the process for vLLM (before anything imports it) and wire its allowed syncs."""
+    try:
+        from ..vllm.allowed import install_allowed_regions
+        from ..vllm.audit import load_baseline
+    except ModuleNotFoundError as exc:
+        if exc.name == "vllm":
+            raise pytest.UsageError('--sync-vllm: vLLM is not installed (pip install -e ".[vllm]")') from None
+        raise
+    except RuntimeError as exc:  # vLLM was imported before the CPU setup
+        raise pytest.UsageError(f"--sync-vllm: {exc}") from None
+    from .records import accept_known_sites
+
+    install_allowed_regions()
+    try:
+        baseline = load_baseline(config.getini("sync_vllm_baseline") or None)
+    except (OSError, ValueError) as exc:
+        raise pytest.UsageError(f"sync_vllm_baseline: {exc}") from None
+    accept_known_sites({d["site"]: f"known upstream vLLM sync: {d.get('why', '')}".strip()
+                        for d in baseline})
+
+
+def pytest_generate_tests(metafunc):
+    if "vllm_indexer_case" in metafunc.fixturenames:
+        metafunc.parametrize("vllm_indexer_case", vllm_case_params(), indirect=True)
 
 
 def pytest_report_header(config):

@@ -120,6 +120,59 @@ def user_frame_of_traceback(tb) -> Frame:
     return found
 
 
+_allowed = threading.local()
+ALLOWED_MARK = "vllm_sparse_sync::allowed"  # the profiler range of an allowed region
+
+
+def allowed_reason() -> str | None:
+    """Why syncs on this thread are allowed right now (inside `allowed_syncs`), else None."""
+    stack = getattr(_allowed, "stack", None)
+    return stack[-1] if stack else None
+
+
+@contextlib.contextmanager
+def allowed_syncs(reason: str):
+    """Syncs on this thread inside the block are recorded as allowed (shown, never counted
+    against a budget): for a library's deliberate syncs, such as vLLM's `gpu_sync_allowed()`."""
+    stack = getattr(_allowed, "stack", None)
+    if stack is None:
+        stack = _allowed.stack = []
+    stack.append(reason)
+    try:
+        torch = sys.modules.get("torch")
+        if torch is not None:
+            with torch.autograd.profiler.record_function(ALLOWED_MARK):
+                yield
+        else:
+            yield
+    finally:
+        stack.pop()
+
+
+_known_sites: dict[str, str] = {}
+
+
+def accept_known_sites(sites: Mapping[str, str]) -> None:
+    """Record syncs at these sites (`path/to/file.py:line` suffixes, e.g. a library's known
+    upstream host reads) as allowed, with the given reasons; shown every run, never counted."""
+    _known_sites.update(sites)
+
+
+def forget_known_sites() -> None:
+    _known_sites.clear()
+
+
+def known_reason(location: str) -> str | None:
+    """Why a sync at `location` is accepted, if a known site ends it."""
+    if not _known_sites:
+        return None
+    loc = location.replace("\\", "/")
+    for site, why in _known_sites.items():
+        if loc.endswith(site):
+            return why
+    return None
+
+
 @dataclass(frozen=True)
 class SyncRecord:
     """One synchronization (or host read) seen by one layer."""
@@ -136,14 +189,19 @@ class SyncRecord:
     """Whose line `location` is: "op" (the syncing call's own line), "function" (the start of
     the user function around a call the layer saw without its line, e.g. an extension's), or
     "region" (the line that entered the checked region, when the layer saw no Python frame)."""
+    allowed: str = ""
+    """Why this sync is allowed (a deliberate one, e.g. inside vLLM's `gpu_sync_allowed()`);
+    empty for a sync that counts."""
 
     @classmethod
     def at(cls, kind: str, layer: str, op: str, frame: Frame, detail: str = "",
-           thread: str | None = None, attribution: str = "op") -> SyncRecord:
+           thread: str | None = None, attribution: str = "op", allowed: str | None = None) -> SyncRecord:
+        if allowed is None:
+            allowed = allowed_reason() or known_reason(frame.location) or ""
         return cls(kind=kind, layer=layer, op=op, location=frame.location,
                    function=frame.function, code=frame.code,
                    thread=thread if thread is not None else threading.current_thread().name,
-                   detail=detail, attribution=attribution)
+                   detail=detail, attribution=attribution, allowed=allowed)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -157,8 +215,9 @@ class SyncRecord:
         detail = f" ({self.detail})" if self.detail else ""
         where = {"region": " (line of the checked region)",
                  "function": " (start of the function around it)"}.get(self.attribution, "")
+        allowed = f" [allowed: {self.allowed}]" if self.allowed else ""
         return (f"[{self.layer}] {self.kind} {self.op} at {self.location}{where} in {self.function}"
-                f"{code}  [thread {self.thread}]{detail}")
+                f"{code}  [thread {self.thread}]{detail}{allowed}")
 
 
 def count_by_kind(records: Iterable[SyncRecord]) -> dict[str, int]:
@@ -206,10 +265,13 @@ class Budget:
                 check_kind(kind)
 
     def violations(self, records: Sequence[SyncRecord]) -> list[str]:
-        """Human-readable budget overruns, one per (layer, group); empty when within budget."""
+        """Human-readable budget overruns, one per (layer, group); empty when within budget.
+        Allowed records (`SyncRecord.allowed`) never count."""
         out = []
         by_layer: dict[str, list[SyncRecord]] = {}
         for r in records:
+            if r.allowed:
+                continue
             by_layer.setdefault(r.layer, []).append(r)
         for layer, recs in sorted(by_layer.items()):
             counts = Counter(r.kind for r in recs)

@@ -21,6 +21,7 @@ from typing import ClassVar
 
 from ..cuda_env import no_cuda_reason
 from ..records import (
+    ALLOWED_MARK,
     DEVICE_SYNC,
     EVENT_SYNC,
     MEMCPY_SYNC,
@@ -124,6 +125,13 @@ def _attribution(evt, op_frames: dict[int, Frame], marks: list) -> tuple[Frame |
     return None, op, "region"
 
 
+def _allowed_by(evt, allowed: list) -> str:
+    """"allowed region" when `evt` ran inside an `allowed_syncs` range (same thread), else ""."""
+    start = evt.time_range.start
+    hit = any(a.thread == evt.thread and a.time_range.start <= start <= a.time_range.end for a in allowed)
+    return "inside an allowed region" if hit else ""
+
+
 def _is_device_event(evt) -> bool:
     return "CUDA" in str(getattr(evt, "device_type", ""))
 
@@ -137,6 +145,7 @@ def records_from_events(events, *, fallback: Frame = UNKNOWN, thread_names: dict
     events = list(events)
     op_frames = op_frames or {}
     marks = [e for e in events if e.name.startswith(OP_MARK) and not _is_device_event(e)]
+    allowed = [e for e in events if e.name == ALLOWED_MARK and not _is_device_event(e)]
     regions = [e for e in events if e.name == REGION and not _is_device_event(e)]
     if not regions:
         return []
@@ -160,7 +169,8 @@ def records_from_events(events, *, fallback: Frame = UNKNOWN, thread_names: dict
         synced_roots.add(id(_root(e)))
         out.append(SyncRecord.at(kind, LAYER, f"{e.name}" + (f" via {op}" if op else ""),
                                  frame or fallback, detail=detail,
-                                 thread=names.get(e.thread, str(e.thread)), attribution=how))
+                                 thread=names.get(e.thread, str(e.thread)), attribution=how,
+                                 allowed=_allowed_by(e, allowed)))
     for e in events:
         if _is_device_event(e) or not inside(e) or e.name == REGION:
             continue
@@ -172,7 +182,7 @@ def records_from_events(events, *, fallback: Frame = UNKNOWN, thread_names: dict
             out.append(SyncRecord.at(PAGEABLE_MEMCPY, LAYER, f"{k.name} via {e.name}",
                                      frame or fallback, thread=names.get(e.thread, str(e.thread)),
                                      detail="" if frame else "no Python frame for this copy",
-                                     attribution=how))
+                                     attribution=how, allowed=_allowed_by(e, allowed)))
     return out
 
 

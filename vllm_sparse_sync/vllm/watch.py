@@ -1,0 +1,24 @@
+"""Watch lists for vLLM's objects: every device-standing tensor of a case, builder or batch."""
+
+from __future__ import annotations
+
+import torch
+from vllm.v1.attention.backend import CommonAttentionMetadata
+
+from ..testing.watch import device_tensors
+from .cases import VllmIndexerCase
+
+# CommonAttentionMetadata fields that vLLM 0.33's runner fills with host tensors although their
+# names carry no `cpu`: `is_prefilling` (gpu_model_runner.py:2327) and `rswa_prefix_lens`
+# (gpu_model_runner.py:2355). Watching them would flag vLLM's legitimate host reads.
+HOST_FIELDS = ("is_prefilling", "rswa_prefix_lens")
+
+
+def vllm_watch(*objs: object, depth: int = 3) -> list[torch.Tensor]:
+    """Every device-standing tensor of `objs` (cases count as their builder and batch): the
+    non-`_cpu` tensor fields of `CommonAttentionMetadata`, the builder's tensor attributes and
+    buffers, and tensors inside helper objects (a `CpuGpuBuffer`'s `.gpu`, not `.cpu`/`.np`)."""
+    expanded = [x for o in objs for x in ((o.builder, o.common) if isinstance(o, VllmIndexerCase) else (o,))]
+    host = {id(t) for o in expanded if isinstance(o, CommonAttentionMetadata)
+            for name in HOST_FIELDS if isinstance(t := getattr(o, name, None), torch.Tensor)}
+    return [t for t in device_tensors(*expanded, depth=depth) if id(t) not in host]
