@@ -11,7 +11,6 @@ import logging
 import textwrap
 
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -62,8 +61,8 @@ def _planted_build(tmp_path):
     source = inspect.getsource(indexer)
     anchor = "        if num_decodes > 0:\n"
     assert anchor in source
-    planted = source.replace(anchor, anchor + "            _ = int(common_attn_metadata.seq_lens.max().item())"
-                             "  # PLANTED\n", 1)
+    read = "            _ = int(common_attn_metadata.seq_lens.max().item())  # PLANTED\n"
+    planted = source.replace(anchor, anchor + read, 1)
     path = tmp_path / "indexer_planted.py"
     path.write_text(planted)
     spec = importlib.util.spec_from_file_location("vllm.v1.attention.backends.mla._indexer_planted", path)
