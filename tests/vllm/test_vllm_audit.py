@@ -56,30 +56,52 @@ def test_without_the_baseline_the_upstream_reads_fail_the_row():
     assert not row.ok and "vllm/v1/attention/backends/mla/indexer.py:1895" in row.sites
 
 
-def _planted_build(tmp_path):
-    """vLLM's indexer module copied with a host read planted in build()'s decode branch."""
+# where a host read is planted in a copy of vLLM's indexer module: (anchor, read, a path that
+# reaches it); the read goes right after the anchor
+PLANTS = {
+    "build-top": ("        dcp_local_seq_lens = common_attn_metadata.dcp_local_seq_lens\n",
+                  "        _ = int(seq_lens.max().item())  # PLANTED\n", "decode"),
+    "decode-branch": ("        if num_decodes > 0:\n",
+                      "            _ = int(common_attn_metadata.seq_lens.max().item())  # PLANTED\n",
+                      "mtp-native-uniform"),
+    "prepare-decode-tensors": ('        """Prepare native or per-token flattened decode tensors."""\n',
+                               "        _ = seq_lens.tolist()  # PLANTED\n", "mtp-flattened-ragged"),
+    "compressed-slots": ("        compressed_slot_mapping = slot_mapping\n",
+                         "        _ = bool(slot_mapping.sum() > 0)  # PLANTED\n", "compressed-c4"),
+    "prefill-chunks": (") -> DeepseekV32IndexerPrefillChunkMetadata | None:\n",
+                       "    _ = int(uncompressed_seq_lens.max())  # PLANTED\n", "prefill"),
+}
+
+
+def _plant(tmp_path, monkeypatch, name):
+    """vLLM's indexer module copied with one host read planted; the real builder's methods
+    replaced by the copy's (restored by monkeypatch). Returns the planted file:line."""
+    anchor, read, _ = PLANTS[name]
     source = inspect.getsource(indexer)
-    anchor = "        if num_decodes > 0:\n"
-    assert anchor in source
-    read = "            _ = int(common_attn_metadata.seq_lens.max().item())  # PLANTED\n"
+    assert anchor in source, name
     planted = source.replace(anchor, anchor + read, 1)
     path = tmp_path / "indexer_planted.py"
     path.write_text(planted)
     spec = importlib.util.spec_from_file_location("vllm.v1.attention.backends.mla._indexer_planted", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    line = planted.splitlines().index(anchor.rstrip("\n")) + 2
-    return module.DeepseekV32IndexerMetadataBuilder.build, f"indexer_planted.py:{line}"
+    copy = module.DeepseekV32IndexerMetadataBuilder
+    for attr, value in vars(copy).items():  # methods without zero-argument super() (bound to the copy)
+        if inspect.isfunction(value) and "__class__" not in value.__code__.co_freevars:
+            monkeypatch.setattr(indexer.DeepseekV32IndexerMetadataBuilder, attr, value)
+    line = planted.splitlines().index(read.rstrip("\n")) + 1
+    return f"indexer_planted.py:{line}"
 
 
-def test_a_read_planted_inside_vllms_builder_fails_the_audit_and_the_harness(tmp_path, monkeypatch):
-    build, site = _planted_build(tmp_path)
-    monkeypatch.setattr(indexer.DeepseekV32IndexerMetadataBuilder, "build", build)
-    (row,) = va.run_vllm_audit(["decode"], batches=1)
-    assert not row.ok and any(s.endswith(site) for s in row.sites), row
-    assert main(["audit", "--target", "vllm", "--path", "decode", "--batches", "1"]) == 1
-    case = V.make_vllm_case("decode")
-    case.build()
+@pytest.mark.parametrize("name", sorted(PLANTS))
+def test_a_read_planted_anywhere_in_vllms_builder_fails_the_audit_and_the_harness(tmp_path, monkeypatch,
+                                                                                    name):
+    site = _plant(tmp_path, monkeypatch, name)
+    path = PLANTS[name][2]
+    (row,) = va.run_vllm_audit([path], batches=1)
+    assert not row.ok and any(s.endswith(site) for s in row.sites), (site, row)
+    assert main(["audit", "--target", "vllm", "--path", path, "--batches", "1"]) == 1
+    case = V.make_vllm_case(path)
     with pytest.raises(HostSyncError) as err:
         with no_host_sync(watch=case.watch()):
             case.build()
