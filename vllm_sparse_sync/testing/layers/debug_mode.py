@@ -14,6 +14,7 @@ from typing import ClassVar
 
 from ..cuda_env import no_cuda_reason
 from ..records import STREAM_SYNC, SyncRecord, user_frame, user_frame_of_traceback
+from .protocol import LayerBase
 
 LAYER = "debug_mode"
 SYNC_MESSAGE = "called a synchronizing CUDA operation"
@@ -40,12 +41,11 @@ def record_error(exc: BaseException, layer: str = LAYER) -> SyncRecord:
                          detail=str(exc).splitlines()[0][:160])
 
 
-class DebugModeLayer:
+class DebugModeLayer(LayerBase):
     """Arms `torch.cuda.set_sync_debug_mode` for the region; records what it reports."""
 
     name: ClassVar[str] = LAYER
     order: ClassVar[int] = 10
-    needs_watch: ClassVar[bool] = False
 
     def __init__(self, mode: str = "warn"):
         if mode not in ("warn", "error"):
@@ -59,10 +59,6 @@ class DebugModeLayer:
     @classmethod
     def unavailable_reason(cls) -> str | None:
         return no_cuda_reason()
-
-    @classmethod
-    def create(cls, watch=()):
-        return cls()
 
     @classmethod
     def record_exception(cls, exc: BaseException) -> SyncRecord | None:

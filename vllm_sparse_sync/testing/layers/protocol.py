@@ -17,6 +17,21 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 from ..records import SyncRecord
 
 
+class LayerBase:
+    """The protocols' defaults: made without the watched tensors, no exception of its own to
+    record."""
+
+    needs_watch: ClassVar[bool] = False
+
+    @classmethod
+    def create(cls, watch: Sequence = ()):
+        return cls()
+
+    @classmethod
+    def record_exception(cls, exc: BaseException) -> SyncRecord | None:
+        return None
+
+
 @runtime_checkable
 class RegionLayer(Protocol):
     name: ClassVar[str]

@@ -33,6 +33,7 @@ from ..records import (
     _skipped,
     user_frame,
 )
+from .protocol import LayerBase
 
 LAYER = "runtime_api"
 REGION = "vllm_sparse_sync::checked_region"
@@ -204,12 +205,11 @@ def _op_mark_mode(frames: dict[int, Frame]):
     return _OpMarks()
 
 
-class RuntimeApiLayer:
+class RuntimeApiLayer(LayerBase):
     """Profiles the region and reports synchronizing CUDA API calls from any library."""
 
     name: ClassVar[str] = LAYER
     order: ClassVar[int] = 0  # outermost: the profiler's own syncs stay outside the others
-    needs_watch: ClassVar[bool] = False
 
     def __init__(self, *, with_stack: bool = True):
         self.with_stack = with_stack
@@ -222,14 +222,6 @@ class RuntimeApiLayer:
     @classmethod
     def unavailable_reason(cls) -> str | None:
         return no_cuda_reason()
-
-    @classmethod
-    def create(cls, watch=()):
-        return cls()
-
-    @classmethod
-    def record_exception(cls, exc: BaseException) -> SyncRecord | None:
-        return None
 
     def start(self) -> None:
         import torch

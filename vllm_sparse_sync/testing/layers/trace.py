@@ -13,6 +13,7 @@ from typing import ClassVar
 
 from ..cuda_env import no_cuda_reason
 from ..records import DEVICE_SYNC, EVENT_SYNC, STREAM_SYNC, SyncRecord, user_frame
+from .protocol import LayerBase
 
 LAYER = "trace"
 ENV = "VLLM_SPARSE_SYNC_TRACE"
@@ -53,12 +54,11 @@ def _install() -> None:
     _installed = True
 
 
-class TraceLayer:
+class TraceLayer(LayerBase):
     """Records every synchronization torch's GPU trace hooks report during the region."""
 
     name: ClassVar[str] = LAYER
     order: ClassVar[int] = 20
-    needs_watch: ClassVar[bool] = False
 
     def __init__(self):
         self.records: list[SyncRecord] = []
@@ -71,14 +71,6 @@ class TraceLayer:
         if not trace_allowed():
             return (f"GPU trace hooks are irreversible: runs only in a subprocess "
                     f"({ENV}=1, see vllm_sparse_sync.testing.run_isolated)")
-        return None
-
-    @classmethod
-    def create(cls, watch=()):
-        return cls()
-
-    @classmethod
-    def record_exception(cls, exc: BaseException) -> SyncRecord | None:
         return None
 
     def start(self) -> None:
