@@ -247,3 +247,25 @@ def test_runtime_api_attributes_through_op_marks_by_parent_or_by_time(tmp_path):
                                op_frames=frames)
     assert [(r.location.rsplit(":", 1)[1], r.attribution) for r in recs] == [("7", "op"), ("9", "op")]
     assert recs[0].op == "cudaStreamSynchronize via aten::_local_scalar_dense"
+
+
+def test_runtime_api_records_at_known_sites_or_in_allowed_ranges_are_allowed(tmp_path):
+    from vllm_sparse_sync.testing.records import ALLOWED_MARK, accept_known_sites, forget_known_sites
+
+    src = tmp_path / "upstream.py"
+    src.write_text("a = 1\nb = seq_lens.max().item()\n")
+    region = _Evt("vllm_sparse_sync::checked_region", 0, 100)
+    op = _Evt("aten::item", 10, 20, parent=region, stack=[f"{src}(2): build"])
+    sync = _Evt("cudaStreamSynchronize", 12, 18, parent=op)
+    allowed = _Evt(ALLOWED_MARK, 30, 50, parent=region)
+    ext = _Evt("cudaDeviceSynchronize", 40, 41, parent=region)  # inside the allowed range
+    (known, inside) = records_from_events([region, op, sync, allowed, ext])
+    assert known.allowed == "" and inside.allowed == "inside an allowed region"
+    accept_known_sites({"upstream.py:2": "a known upstream read"})
+    try:
+        (known, inside) = records_from_events([region, op, sync, allowed, ext])
+    finally:
+        forget_known_sites()
+    assert known.allowed == "a known upstream read"
+    assert inside.allowed == "inside an allowed region"
+    assert not Budget.of(0).violations([known, inside])

@@ -36,7 +36,6 @@ KINDS = (
 )
 
 
-
 def check_kind(kind: object) -> str:
     """`kind` if it names a sync kind (one of `KINDS`), else a ValueError listing them."""
     if kind not in KINDS:
@@ -158,6 +157,11 @@ def accept_known_sites(sites: Mapping[str, str]) -> None:
     _known_sites.update(sites)
 
 
+def known_sites() -> dict[str, str]:
+    """The accepted sites and their reasons (a copy)."""
+    return dict(_known_sites)
+
+
 def forget_known_sites() -> None:
     _known_sites.clear()
 
@@ -195,9 +199,10 @@ class SyncRecord:
 
     @classmethod
     def at(cls, kind: str, layer: str, op: str, frame: Frame, detail: str = "",
-           thread: str | None = None, attribution: str = "op", allowed: str | None = None) -> SyncRecord:
-        if allowed is None:
-            allowed = allowed_reason() or known_reason(frame.location) or ""
+           thread: str | None = None, attribution: str = "op", allowed: str = "") -> SyncRecord:
+        """A record at `frame`; `allowed` (why the layer saw it as allowed) falls back to the
+        thread's allowed region, then to the known sites."""
+        allowed = allowed or allowed_reason() or known_reason(frame.location) or ""
         return cls(kind=kind, layer=layer, op=op, location=frame.location,
                    function=frame.function, code=frame.code,
                    thread=thread if thread is not None else threading.current_thread().name,
