@@ -347,3 +347,18 @@ def test_budget_only():
 """)
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["*SyncCheckUnavailable*"])
+
+
+def test_an_in_process_run_leaves_the_process_wide_settings_as_it_found_them(pytester):
+    from vllm_sparse_sync.testing.guard import default_layer_spec
+    from vllm_sparse_sync.testing.records import known_sites
+
+    before = (default_layer_spec(), known_sites())
+    pytester.makeconftest(
+        "from vllm_sparse_sync.testing.records import accept_known_sites\n"
+        "def pytest_configure(config):\n"
+        "    accept_known_sites({'inner.py:1': 'the inner run only'})\n")
+    pytester.makepyfile(test_user="def test_x():\n    pass\n")
+    result = pytester.runpytest_inprocess("--sync-layers=sentinel")
+    result.assert_outcomes(passed=1)
+    assert (default_layer_spec(), known_sites()) == before

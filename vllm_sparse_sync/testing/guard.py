@@ -43,6 +43,11 @@ def set_default_layers(spec) -> None:
     _default_spec = _layers.parse_layers(spec)
 
 
+def default_layer_spec() -> tuple[str, ...] | None:
+    """The layer names `layers=None` means in this process (None: every layer)."""
+    return _default_spec
+
+
 def add_listener(fn: Callable[[SyncCheck], None]) -> None:
     _listeners.append(fn)
 

@@ -101,8 +101,11 @@ def pytest_configure(config):
     if config.getini("sync_gpu_marker"):
         config.addinivalue_line(
             "markers", "gpu: needs a CUDA device (skipped with a reason where CUDA is absent)")
-    from .guard import set_default_layers
+    from .guard import default_layer_spec, set_default_layers
+    from .records import known_sites
 
+    # process-wide state this run sets, put back at unconfigure (in-process runs nest)
+    config._vss_saved = (default_layer_spec(), known_sites())
     try:
         set_default_layers(config.getoption("sync_layers", "auto"))
     except (TypeError, ValueError) as exc:
@@ -112,6 +115,19 @@ def pytest_configure(config):
         _enter_vllm_mode(config)
     if not hasattr(config, "workerinput"):  # the controller (or a run without xdist)
         config.pluginmanager.register(SyncSession(config), "vllm_sparse_sync_session")
+
+
+def pytest_unconfigure(config):
+    saved = getattr(config, "_vss_saved", None)
+    if saved is None:
+        return
+    from .guard import set_default_layers
+    from .records import accept_known_sites, forget_known_sites
+
+    spec, sites = saved
+    set_default_layers(spec)
+    forget_known_sites()
+    accept_known_sites(sites)
 
 
 def _enter_vllm_mode(config) -> None:
