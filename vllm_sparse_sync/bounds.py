@@ -171,11 +171,6 @@ def query_layout(query_start_loc_cpu: torch.Tensor) -> QueryLayout:
     return hit
 
 
-def query_lens_host(query_start_loc_cpu: torch.Tensor) -> np.ndarray:
-    """Validated decode query lengths (int64 numpy, read-only) from the CPU prefix sum."""
-    return query_layout(query_start_loc_cpu).query_lens
-
-
 def _query_lens_of(starts: np.ndarray) -> np.ndarray:
     if starts.size < 1:
         raise ValueError("query_start_loc_cpu: needs n + 1 >= 1 entries, got 0")
@@ -187,11 +182,6 @@ def _query_lens_of(starts: np.ndarray) -> np.ndarray:
         raise ValueError(f"query_start_loc_cpu: must be non-decreasing (negative query length at "
                          f"request {i})")
     return q
-
-
-def query_lens_from_start_loc(query_start_loc_cpu: torch.Tensor) -> list[int]:
-    """Validated decode query lengths from the CPU prefix sum (``n + 1`` entries)."""
-    return query_lens_host(query_start_loc_cpu).tolist()
 
 
 def _shadow_lens_host(shadow: SeqLenShadow, ql: QueryLayout, max_seq_len: int) -> tuple[np.ndarray, int]:
@@ -221,15 +211,6 @@ def _shadow_lens_host(shadow: SeqLenShadow, ql: QueryLayout, max_seq_len: int) -
         return lens, hi
     live = lens[query_lens > 0]
     return lens, int(live.max()) if live.size else 0
-
-
-def validated_shadow_lengths(
-    shadow: SeqLenShadow, query_lens: list[int], max_seq_len: int
-) -> list[int]:
-    """The shadow's per-request lengths, checked against the query lengths and ``max_seq_len``."""
-    q = np.asarray(query_lens, dtype=np.int64)
-    ql = QueryLayout(q, int(q.sum()), None, bool(q.size == 0 or q.min() > 0))
-    return _shadow_lens_host(shadow, ql, max_seq_len)[0].tolist()
 
 
 def _check_dcp_local(shadow: SeqLenShadow, layout: IndexerLayout, lens: np.ndarray) -> None:

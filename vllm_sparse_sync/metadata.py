@@ -129,8 +129,6 @@ class IndexerMetadataBuilder:
 
     def _validate(self, batch: DecodeBatch, plan: DecodePlan) -> None:
         """Host checks of shapes, dtypes and devices (tensor metadata, never data)."""
-        if not isinstance(batch, DecodeBatch):
-            raise TypeError(f"batch: must be a DecodeBatch, got {type(batch).__name__}")
         n, num_rows = plan.num_reqs, plan.num_rows
         if n > self.max_num_reqs:
             raise ValueError(f"query_start_loc_cpu: {n} requests exceed max_num_reqs={self.max_num_reqs}")

@@ -74,6 +74,11 @@ def fused_grid(rows: int, width: int, page: int, slots: int, max_keys: int,
     return _cdiv(tiles, per_part), per_part
 
 
+def score_splits(rows: int, num_sms: int, config: KernelConfig = DEFAULT_CONFIG) -> int:
+    """Scorer programs per row for a call of ``rows`` rows."""
+    return max(1, num_sms * config.scorer.ctas_per_sm // max(rows, 1))
+
+
 def topk_algo_for(rows: int, config: KernelConfig = DEFAULT_CONFIG) -> str:
     """The unfused top-k algorithm for a call of ``rows`` rows."""
     algo = config.topk.algo
@@ -98,6 +103,6 @@ def plan_route(rows: int, width: int, page: int, device: DeviceInfo,
         if grid is not None:
             return Route(FUSED, rows, fused_parts=grid[0], fused_tiles=grid[1])
     r = max(rows, 1)
-    splits = max(1, sms * config.scorer.ctas_per_sm // r) if score else 0
+    splits = score_splits(rows, sms, config) if score else 0
     chunks = max(1, min(config.topk.max_chunks, sms * config.topk.ctas_per_sm // r))
     return Route(topk_algo_for(rows, config), rows, score_splits=splits, topk_chunks=chunks)

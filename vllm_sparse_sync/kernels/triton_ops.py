@@ -11,7 +11,7 @@ import torch
 
 from . import reference as ref
 from .config import DEFAULT_CONFIG, KernelConfig
-from .route import SAMPLE, Route
+from .route import SAMPLE, Route, score_splits
 from .triton_cache import write_k_cache_kernel
 from .triton_fused import launch_fused_step
 from .triton_scorer import launch_score
@@ -121,7 +121,7 @@ def paged_indexer_logits(
            f"must be float32 [{rows}, {width}] with contiguous rows")
     if rows == 0 or width == 0:
         return out
-    splits = max(1, config.scorer.ctas_per_sm * _sms(q_fp8.device) // rows)
+    splits = score_splits(rows, _sms(q_fp8.device), config)
     launch_score(
         q_fp8, weights, k_cache, block_table, row_lens, active_width, out, page_size=page,
         sel_width=min(width, block_table.shape[1] * page), fill_width=width, splits=splits,

@@ -52,12 +52,6 @@ def parse_layers(spec) -> tuple[str, ...] | None:
     return names
 
 
-def default_layers(*, watch: bool) -> tuple[str, ...]:
-    """The layers `layers=None` means here: every layer that can run in this process
-    (the sentinel only when something is watched)."""
-    return tuple(n for n in ALL_LAYERS if unavailable_reason(n, watch=watch) is None)
-
-
 __all__ = [
     "ALL_LAYERS",
     "CaptureProbe",
@@ -69,7 +63,6 @@ __all__ = [
     "SentinelLayer",
     "StepProbe",
     "TraceLayer",
-    "default_layers",
     "layer_class",
     "parse_layers",
     "unavailable_reason",

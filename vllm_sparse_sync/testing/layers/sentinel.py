@@ -34,6 +34,7 @@ from ..records import (
     user_frame,
 )
 from . import launch_hooks
+from .protocol import LayerBase
 from .taint import TaintSet, storage_objects_are_preserved, tensors_in
 
 LAYER = "sentinel"
@@ -212,6 +213,9 @@ class _ReadMode(TorchFunctionMode):
         return out
 
 
+_WRITES: dict = {}  # op -> what `_written_args` found
+
+
 def _written_args(func) -> tuple[tuple[int, ...], tuple[str, ...]] | None:
     """(positional indices, keyword names) an ATen op writes; None: treat all as written."""
     cached = _WRITES.get(func)
@@ -231,9 +235,6 @@ def _written_args(func) -> tuple[tuple[int, ...], tuple[str, ...]] | None:
         result = (tuple(pos), tuple(kw))
     _WRITES[func] = result
     return result
-
-
-_WRITES: dict = {}
 
 
 class _WriteMode(TorchDispatchMode):
@@ -294,7 +295,7 @@ def watch_list(watch) -> list[torch.Tensor]:
     return out
 
 
-class SentinelLayer:
+class SentinelLayer(LayerBase):
     """Flags host reads of watched (device-standing) tensors and their descendants.
 
     Torch modes are per thread: the sentinel sees the thread that started it.
@@ -324,10 +325,6 @@ class SentinelLayer:
     @classmethod
     def create(cls, watch=()):
         return cls(watch)
-
-    @classmethod
-    def record_exception(cls, exc: BaseException) -> SyncRecord | None:
-        return None
 
     def mark(self, *tensors) -> None:
         """Watch more tensors while the layer runs."""
