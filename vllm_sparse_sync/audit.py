@@ -21,6 +21,7 @@ from .bounds import DecodeTopkBound
 from .metadata import DecodeBatch, IndexerMetadataBuilder
 from .scenarios import PATHS, DecodePath, make_case, make_step_inputs
 from .step import IndexerStep
+from .table import text_table
 
 AuditPath = DecodePath  # the audit's name for a scenario
 AUDIT_PATHS = PATHS
@@ -142,14 +143,11 @@ HEADERS = ("path", "bound source", "bound", "exact max", "widening", "top-k matc
 
 def format_table(rows: Sequence[AuditRow]) -> str:
     """A plain-text table of audit rows."""
-    cells = [HEADERS] + [
+    lines = text_table(HEADERS, [
         (r.path, r.bound_source, str(r.bound), str(r.exact_max), f"{r.widening:.3f}x",
          "yes" if r.topk_match else "NO", str(r.host_reads), str(r.seed), "ok" if r.ok else "FAIL")
         for r in rows
-    ]
-    widths = [max(len(c[i]) for c in cells) for i in range(len(HEADERS))]
-    lines = ["  ".join(c[i].ljust(widths[i]) for i in range(len(HEADERS))) for c in cells]
-    lines.insert(1, "  ".join("-" * w for w in widths))
+    ])
     failures = [f"{r.path} (seed {r.seed}): {r.detail}" for r in rows if not r.ok]
     return "\n".join(lines + failures)
 

@@ -11,6 +11,7 @@ import sys
 import tempfile
 from collections.abc import Sequence
 
+from ..table import text_table
 from .cuda_env import no_cuda_reason
 from .probes import OPS, Op, make_input
 
@@ -111,15 +112,12 @@ def verdict(row: dict) -> tuple[str, bool]:
 
 def format_table(rows: list[dict]) -> str:
     head = ("op", "syncs?", *COLUMNS, "verdict")
-    cells = [head]
+    cells = []
     for r in rows:
         exp = {True: "yes", False: "no", None: "?"}[r["expected"]]
         vals = ["-" if r[c] is None else str(r[c]) for c in COLUMNS]
         cells.append((r["op"], exp, *vals, verdict(r)[0]))
-    widths = [max(len(c[i]) for c in cells) for i in range(len(head))]
-    lines = ["  ".join(c[i].ljust(widths[i]) for i in range(len(head))).rstrip() for c in cells]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return "\n".join(text_table(head, cells))
 
 
 def rng_after_failed_capture() -> str:

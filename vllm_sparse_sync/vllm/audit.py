@@ -15,6 +15,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
+from ..table import text_table
 from ..testing.guard import SyncCheck
 from ..testing.records import SyncRecord
 from ..vllm_plugin import indexer_bound
@@ -159,15 +160,13 @@ def format_table(rows: Sequence[VllmAuditRow], baseline: list[dict] | None = Non
     def num(v):
         return "-" if v is None else (f"{v:.3f}x" if isinstance(v, float) else str(v))
 
-    cells = [head]
-    for r in rows:
-        cells.append([r.path, num(r.vllm_bound), num(r.bound), r.bound_source,
-                      *([num(r.plugin_bound)] if plugin else []), num(r.exact_max), num(r.vllm_widening),
-                      num(r.widening), str(r.host_reads) + (f" (+{len(r.known_sites)} known)" if r.known_sites
-                                                            else ""), "ok" if r.ok else "FAIL"])
-    widths = [max(len(c[i]) for c in cells) for i in range(len(head))]
-    lines = ["  ".join(c[i].ljust(widths[i]) for i in range(len(head))).rstrip() for c in cells]
-    lines.insert(1, "  ".join("-" * w for w in widths))
+    lines = text_table(head, [
+        [r.path, num(r.vllm_bound), num(r.bound), r.bound_source,
+         *([num(r.plugin_bound)] if plugin else []), num(r.exact_max), num(r.vllm_widening),
+         num(r.widening), str(r.host_reads) + (f" (+{len(r.known_sites)} known)" if r.known_sites else ""),
+         "ok" if r.ok else "FAIL"]
+        for r in rows
+    ])
     why = {d["site"]: d for d in (BASELINE_033 if baseline is None else baseline)}
     for r in rows:
         for s in r.sites:
