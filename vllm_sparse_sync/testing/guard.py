@@ -6,7 +6,8 @@ entering it raises `SyncCheckUnavailable` (naming each layer and why), not a pas
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 from . import layers as _layers
@@ -129,6 +130,20 @@ class SyncCheck:
         """Watch more tensors (sentinel) from inside the region."""
         if self._watcher is not None:
             self._watcher.mark(*tensors)
+
+    @contextmanager
+    def unchecked(self) -> Iterator[None]:
+        """A block whose host reads are not the code under check (a CPU reference standing in
+        for device kernels): the sentinel pauses inside; mark its outputs after, if they count."""
+        watcher = self._watcher
+        if watcher is None:
+            yield
+            return
+        watcher.pause()
+        try:
+            yield
+        finally:
+            watcher.resume()
 
     def _region_layers(self) -> list[str]:
         return [n for n in self.layer_names if n in _layers.REGION_LAYERS]
