@@ -125,10 +125,11 @@ class DecodeLoop:
         max_len = context + max_steps
         if max_len > layout.max_model_len:
             raise ValueError(f"context + max_steps = {max_len} exceeds max_model_len={layout.max_model_len}")
-        self.model = SyntheticModel(layout, shape, batch=batch, max_len=max_len, device=self.device, seed=seed)
         # request i starts a little shorter than the context, so rows differ
         self.start_lens = np.array([context - (i * 97) % max(1, min(512, context // 2))
                                     for i in range(batch)], dtype=np.int32)
+        self.model = SyntheticModel(layout, shape, start_lens=self.start_lens.tolist(), max_steps=max_steps,
+                                    device=self.device, seed=seed)
         self.qsl_cpu = torch.arange(batch + 1, dtype=torch.int32)
         self.qsl = self.qsl_cpu.to(self.device, copy=True)
         self.seq_lens = torch.zeros(batch, dtype=torch.int32, device=self.device)
@@ -143,9 +144,6 @@ class DecodeLoop:
         self._graphs: dict[str, object] = {}
         self._static_width = torch.full((1,), self.model.table_pages * layout.page_size, dtype=torch.int32,
                                         device=self.device)
-        self._positions = torch.arange(self.model.table_pages * layout.page_size, dtype=torch.int32,
-                                       device=self.device)
-        self._logits: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ host side
     def _shadow_batch(self, v: Variant, lens: np.ndarray) -> DecodeBatch:
@@ -201,19 +199,14 @@ class DecodeLoop:
             def run(layer, q, w):
                 return step.run(meta, q, w, self.model.k_caches[layer], out=out)
             return run
-        if self._logits is None:
-            self._logits = torch.empty(self.batch, width, dtype=torch.float32, device=self.device)
-        logits, positions = self._logits, self._positions
 
         def run(layer, q, w):
             # every row as long as the host bound: the cost follows the bound, not the rows
             wide = meta.active_width.expand(self.batch).contiguous()
-            kernels.paged_indexer_logits(q, w, self.model.k_caches[layer], meta.block_table, wide, width,
-                                         active_width=meta.active_width, out=logits)
-            logits.masked_fill_(positions.unsqueeze(0) >= meta.row_lens.unsqueeze(1), float("-inf"))
-            kernels.topk_indices(logits, wide, lay.topk, active_width=meta.active_width,
-                                 workspace=step.workspace, out=out)
-            return out.masked_fill_(out >= meta.row_lens.unsqueeze(1), -1)
+            kernels.indexer_topk(q, w, self.model.k_caches[layer], meta.block_table, wide, lay.topk,
+                                 active_width=meta.active_width, width=width, workspace=step.workspace,
+                                 out=out)
+            return out.masked_fill_(out >= meta.row_lens.unsqueeze(1), -1)  # rows shorter than k
         return run
 
     def prepare(self, name: str) -> None:
@@ -224,15 +217,15 @@ class DecodeLoop:
         self.model.reset()
         self._prepare_inputs(v, self.start_lens + 1, 0)
         fn = self.indexer(v)
-        self.model.forward(fn)  # eager warm-up: every kernel compiled and its route settled
+        self.model.forward(fn, self.seq_lens)  # eager warm-up: every kernel compiled and its route settled
         if self.cuda:
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                self.model.forward(fn)
+                self.model.forward(fn, self.seq_lens)
             self._graphs[name] = graph
         else:
-            self._graphs[name] = lambda: self.model.forward(fn)
+            self._graphs[name] = lambda: self.model.forward(fn, self.seq_lens)
         self.model.reset()
 
     def _launch(self, name: str, check) -> None:
@@ -248,10 +241,11 @@ class DecodeLoop:
 
     # --------------------------------------------------------------------- the loop
     def run(self, name: str, steps: int, host_us: float = 0.0, *, before: float = 0.5,
-            check=None) -> RunStats:
+            check=None, timed: bool = True) -> RunStats:
         """``steps`` decode steps of variant ``name`` with ``host_us`` of other host work per
         step (``before`` of it ahead of the build). ``check``: a running ``SyncCheck`` (CPU:
-        the reference kernels run unchecked, their outputs marked)."""
+        the reference kernels run unchecked, their outputs marked). ``timed=False``: no GPU
+        timing events and no device syncs around the loop (for counting syncs)."""
         if not 0 < steps <= self.max_steps:
             raise ValueError(f"steps: must lie in (0, max_steps={self.max_steps}], got {steps}")
         if not 0.0 <= before <= 1.0:
@@ -261,9 +255,9 @@ class DecodeLoop:
         self.model.reset()
         lens = self.start_lens.copy()
         timing = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                  for _ in range(steps)] if self.cuda else []
+                  for _ in range(steps)] if self.cuda and timed else []
         step_ms, host, build, wait, tokens = [], [], [], [], []
-        if self.cuda:
+        if timing:
             torch.cuda.synchronize(self.device)
         t_start = prev = time.perf_counter()
         for t in range(steps):
@@ -321,7 +315,7 @@ class DecodeLoop:
         layers = "runtime_api" if self.cuda else "sentinel"
         with sync_recorder(watch=() if self.cuda else self.watch(), layers=layers,
                            where=f"decode loop: {name}") as rec:
-            self.run(name, steps, check=None if self.cuda else rec)
+            self.run(name, steps, check=None if self.cuda else rec, timed=False)
         per_step = {kind: n / steps for kind, n in rec.counts.items()}
         per_step["total"] = sum(rec.counts.values()) / steps
         return per_step
