@@ -180,6 +180,9 @@ def bench_ours(inp: Inputs, ncalls: int, config, res: dict, algos: tuple[str, ..
     for algo in (a for a in algos if a != config.topk.algo):
         cfg_a = config.with_values(**{"topk.algo": algo, "fused.enabled": False})
         tws_a = IndexerTopkWorkspace(B, TOPK, 0, DEV, config=cfg_a)
+        if algo == "cuda_radix" and not tws_a.cuda_topk_status[0]:  # it would time the Triton fallback
+            res["topk_cuda_radix_check"] = f"unavailable: {tws_a.cuda_topk_status[1]}"
+            continue
         res[f"topk_{algo}_us"] = timeit(lambda i, w=tws_a: lambda: tk.topk_indices(
             logits[i % nl], inp.lens, TOPK, workspace=w, out=out), ncalls)
         ws_a = IndexerTopkWorkspace(B, TOPK, L, DEV, config=cfg_a)
@@ -297,7 +300,7 @@ def derive(res: dict, bw: float) -> dict:
 COLS = [("B", "{}"), ("L", "{}"), ("route", "{}"), ("scorer_us", "{:.1f}"), ("topk_us", "{:.1f}"),
         ("step_us", "{:.1f}"), ("step_unfused_us", "{:.1f}"),
         ("scorer_tbs", "{:.2f}"), ("scorer_pct_copy", "{:.0f}"), ("wide_over_exact", "{:.3f}"),
-        ("scorer_fp8_us", "{:.1f}"), ("step_fp8_us", "{:.1f}"), ("topk_sample_us", "{:.1f}"),
+        ("scorer_fp8_us", "{:.1f}"), ("step_fp8_us", "{:.1f}"), ("topk_sample_us", "{:.1f}"), ("topk_cuda_radix_us", "{:.1f}"),
         ("step_sample_us", "{:.1f}"), ("topk_radix_us", "{:.1f}"), ("step_radix_us", "{:.1f}"),
         ("torch_topk_us", "{:.1f}"), ("deepgemm_us", "{:.1f}"), ("vllm_persistent_topk_us", "{:.1f}"),
         ("vllm_cooperative_topk_us", "{:.1f}"), ("best_peer_step_us", "{:.1f}"),
@@ -354,7 +357,7 @@ def main() -> None:
     ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--config", default="")
     ap.add_argument("--config-file", default="", help="JSON config (variants.py --best); overrides --config")
-    ap.add_argument("--topk-algos", default="radix,sample",
+    ap.add_argument("--topk-algos", default="radix,sample,cuda_radix",
                     help="top-k algorithms to time besides the config's (topk_<algo>_us, step_<algo>_us)")
     ap.add_argument("--combine", nargs="*")
     ap.add_argument("--baseline", default="", help="a committed run to compare each shape's step time with")

@@ -115,3 +115,37 @@ def test_configs_are_checked_and_round_trip():
         DEFAULT_CONFIG.with_values(**{"topk.bogus": 1})
     with pytest.raises(ValueError, match="rows"):
         plan_route(-1, 4096, 64, H200)
+
+
+CUDA_CFG = KernelConfig(topk=TopkConfig(algo="cuda_radix"))
+
+
+def test_cuda_radix_route_where_the_device_can_run_it():
+    from vllm_sparse_sync.kernels.route import CUDA_RADIX
+
+    h200_nvrtc = DeviceInfo(num_sms=132, cuda_topk=True)
+    assert plan_route(64, K64, 64, h200_nvrtc, CUDA_CFG) == Route(CUDA_RADIX, 64, score_splits=8, topk_chunks=1)
+    assert plan_route(1, 4096, 64, h200_nvrtc, CUDA_CFG, score=False) == Route(CUDA_RADIX, 1, topk_chunks=1)
+    # small scored calls still fuse; the CUDA top-k serves the unfused and top-k-only calls
+    assert plan_route(1, 4096, 64, h200_nvrtc, CUDA_CFG).kind == FUSED
+    # without NVRTC (or on an old GPU) the Triton choice of "auto" runs
+    assert plan_route(64, K64, 64, H200, CUDA_CFG) == plan_route(64, K64, 64, H200)
+    assert plan_route(4, 4096, 64, H200, CUDA_CFG, score=False).kind == RADIX
+    # the default never takes it
+    assert plan_route(64, K64, 64, h200_nvrtc).kind == SAMPLE
+
+
+def test_cuda_radix_config_checks():
+    with pytest.raises(ValueError, match="cuda_threads"):
+        TopkConfig(cuda_threads=256)
+    with pytest.raises(ValueError, match="cuda_cap"):
+        TopkConfig(cuda_cap=10**6)
+    assert KernelConfig().with_values(**{"topk.algo": "cuda_radix"}).topk.algo == "cuda_radix"
+
+
+def test_a_cpu_workspace_says_why_it_has_no_cuda_topk():
+    ws = IndexerTopkWorkspace(4, 2048, 0, "cpu", config=CUDA_CFG, num_sms=132)
+    ok, why = ws.cuda_topk_status
+    assert not ok and "not a CUDA device" in why
+    assert ws.route(4, 4096, 1, score=False).kind == RADIX
+    assert IndexerTopkWorkspace(4, 2048, 0, "cpu", num_sms=132).cuda_topk_status[0] is False

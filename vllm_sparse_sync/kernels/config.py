@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields, replace
 
-TOPK_ALGOS = ("auto", "radix", "sample")
+TOPK_ALGOS = ("auto", "radix", "sample", "cuda_radix")
 
 
 def _pow2(name: str, v: object) -> None:
@@ -54,7 +54,9 @@ class TopkConfig:
     """The unfused top-k (``triton_topk``: radix passes; ``triton_topk_sample``: sampled threshold)."""
 
     algo: str = "auto"
-    """"radix", "sample", or "auto": sample from ``sample_min_rows`` rows up (a static count)."""
+    """"radix", "sample", or "auto": sample from ``sample_min_rows`` rows up (a static count);
+    "cuda_radix": the NVRTC-compiled CUDA kernel (``cuda_topk``) where the device and compiler
+    allow it, else what "auto" picks. Opt-in until measured on a GPU (see benchmarks/NOTES.md)."""
     block: int = 1024
     """Scores per iteration."""
     warps: int = 4
@@ -70,6 +72,15 @@ class TopkConfig:
     """"sample": strided samples per row that set the candidate threshold."""
     resolve_block: int = 2048
     resolve_warps: int = 8
+    cuda_threads: int = 1024
+    """"cuda_radix": threads per CTA (one CTA per row); with ``cuda_vec``, one of
+    ``cuda_topk.VARIANTS``."""
+    cuda_vec: int = 4
+    """"cuda_radix": float4 loads per thread and tile (rows up to ``threads * 4 * vec`` stay in
+    registers)."""
+    cuda_cap: int = 8192
+    """"cuda_radix": keys of the threshold bin kept in shared memory (4 bytes each); a fuller
+    bin re-reads the row (exact either way)."""
 
     def __post_init__(self) -> None:
         if self.algo not in TOPK_ALGOS:
@@ -78,6 +89,11 @@ class TopkConfig:
             _pow2(f"topk.{name}", getattr(self, name))
         for name in ("ctas_per_sm", "max_chunks", "sample_min_rows", "cap"):
             _positive(f"topk.{name}", getattr(self, name))
+        if (self.cuda_threads, self.cuda_vec) not in ((1024, 4), (1024, 2), (512, 4), (512, 8)):
+            raise ValueError("topk.cuda_threads/cuda_vec: one of (1024, 4), (1024, 2), (512, 4), (512, 8), "
+                             f"got {(self.cuda_threads, self.cuda_vec)!r}")
+        if isinstance(self.cuda_cap, bool) or not isinstance(self.cuda_cap, int) or not 0 <= self.cuda_cap <= 53248:
+            raise ValueError(f"topk.cuda_cap: an int in [0, 53248] (shared memory), got {self.cuda_cap!r}")
         if isinstance(self.sample_above, bool) or not isinstance(self.sample_above, int) \
                 or self.sample_above < 0:
             raise ValueError(f"topk.sample_above: must be an int >= 0, got {self.sample_above!r}")

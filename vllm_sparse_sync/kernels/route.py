@@ -7,7 +7,9 @@ looks at a capacity larger than the call (a 256-row workspace serving a 1-row ca
 the schedule it was captured with.
 
 Routes: ``fused`` (score and select in one cooperative launch), ``radix`` and ``sample``
-(the scorer into a logits buffer, then that top-k algorithm). Every route returns the same
+(the scorer into a logits buffer, then that top-k algorithm), ``cuda_radix`` (the same, with
+the NVRTC-compiled CUDA top-k, one CTA per row, where ``DeviceInfo.cuda_topk`` says it can run;
+opt-in through ``topk.algo="cuda_radix"``). Every route returns the same
 set of positions per row; the order inside a row is deterministic per route but unspecified.
 """
 
@@ -17,7 +19,7 @@ from dataclasses import dataclass
 
 from .config import DEFAULT_CONFIG, KernelConfig
 
-FUSED, RADIX, SAMPLE = "fused", "radix", "sample"
+FUSED, RADIX, SAMPLE, CUDA_RADIX = "fused", "radix", "sample", "cuda_radix"
 
 
 @dataclass(frozen=True)
@@ -29,6 +31,9 @@ class DeviceInfo:
     num_sms: int
     cooperative: bool = True
     fused_ctas_per_sm: int | None = None
+    cuda_topk: bool = False
+    """Whether the NVRTC-compiled CUDA top-k can run (a CUDA device of compute capability 7.0+,
+    cuda-bindings and NVRTC present; ``cuda_topk.status`` gives the reason when not)."""
 
 
 @dataclass(frozen=True)
@@ -79,10 +84,13 @@ def score_splits(rows: int, num_sms: int, config: KernelConfig = DEFAULT_CONFIG)
     return max(1, num_sms * config.scorer.ctas_per_sm // max(rows, 1))
 
 
-def topk_algo_for(rows: int, config: KernelConfig = DEFAULT_CONFIG) -> str:
-    """The unfused top-k algorithm for a call of ``rows`` rows."""
+def topk_algo_for(rows: int, config: KernelConfig = DEFAULT_CONFIG, device: DeviceInfo | None = None) -> str:
+    """The unfused top-k algorithm for a call of ``rows`` rows ("cuda_radix" only where
+    ``device.cuda_topk``; otherwise the Triton choice of "auto")."""
     algo = config.topk.algo
-    if algo != "auto":
+    if algo == CUDA_RADIX and device is not None and device.cuda_topk:
+        return CUDA_RADIX
+    if algo not in ("auto", CUDA_RADIX):
         return algo
     return SAMPLE if rows >= config.topk.sample_min_rows else RADIX
 
@@ -104,5 +112,8 @@ def plan_route(rows: int, width: int, page: int, device: DeviceInfo,
             return Route(FUSED, rows, fused_parts=grid[0], fused_tiles=grid[1])
     r = max(rows, 1)
     splits = score_splits(rows, sms, config) if score else 0
+    algo = topk_algo_for(rows, config, device)
+    if algo == CUDA_RADIX:  # one CTA per row
+        return Route(CUDA_RADIX, rows, score_splits=splits, topk_chunks=1)
     chunks = max(1, min(config.topk.max_chunks, sms * config.topk.ctas_per_sm // r))
-    return Route(topk_algo_for(rows, config), rows, score_splits=splits, topk_chunks=chunks)
+    return Route(algo, rows, score_splits=splits, topk_chunks=chunks)

@@ -11,7 +11,7 @@ import torch
 
 from . import reference as ref
 from .config import DEFAULT_CONFIG, KernelConfig
-from .route import SAMPLE, Route, score_splits
+from .route import CUDA_RADIX, SAMPLE, Route, score_splits
 from .triton_cache import write_k_cache_kernel
 from .triton_fused import launch_fused_step
 from .triton_scorer import launch_score
@@ -155,6 +155,13 @@ def _index_out(out: torch.Tensor | None, rows: int, k: int, device: torch.device
 def _launch_topk(route: Route, logits, row_lens, active_width, ws, out, k, width, *,
                  nan_low: bool) -> None:
     """The route's top-k launches; ``nan_low=False`` for scores from the scorer (NaN negative)."""
+    if route.kind == CUDA_RADIX:
+        from .cuda_topk import launch_cuda_topk
+
+        tc = ws.config.topk
+        launch_cuda_topk(logits, logits.stride(0), row_lens, active_width, out, k, width, nan_low=nan_low,
+                         threads=tc.cuda_threads, vec=tc.cuda_vec, cap=tc.cuda_cap)
+        return
     launch = launch_sample_topk if route.kind == SAMPLE else launch_radix_topk
     launch(logits, logits.stride(0), row_lens, active_width, ws, out, k, width, route.topk_chunks,
            nan_low)

@@ -13,7 +13,7 @@ from functools import cache
 import torch
 
 from .config import DEFAULT_CONFIG, KernelConfig
-from .route import SAMPLE, DeviceInfo, Route, plan_route, topk_algo_for
+from .route import CUDA_RADIX, SAMPLE, DeviceInfo, Route, plan_route, topk_algo_for
 
 
 @cache
@@ -100,15 +100,31 @@ class IndexerTopkWorkspace:
         self.fused_stall = torch.zeros(max(fr, 1), **i32)
         self._fused_stash: torch.Tensor | None = None
         self._routes: dict[tuple, Route] = {}
+        self._cuda_topk: tuple[bool, str] | None = None
 
     @property
     def fused_rows(self) -> int:
         """Most rows a fused call can have on this workspace (0: no fused buffers)."""
         return self.fused_sync.numel() // 8
 
+    @property
+    def cuda_topk_status(self) -> tuple[bool, str]:
+        """Whether this workspace's calls may take the CUDA top-k, and why not (asked only when
+        the configuration opts in: it imports cuda-bindings)."""
+        if self._cuda_topk is None:
+            if self.config.topk.algo != CUDA_RADIX:
+                self._cuda_topk = (False, "topk.algo is not 'cuda_radix'")
+            elif self.device.type != "cuda" or interpreting():
+                self._cuda_topk = (False, f"device {self.device} is not a CUDA device")
+            else:
+                from .cuda_topk import status
+
+                self._cuda_topk = status(self.device)
+        return self._cuda_topk
+
     def device_info(self) -> DeviceInfo:
         cooperative = interpreting() or (self.device.type == "cuda" and cooperative_launch_supported())
-        return DeviceInfo(self.num_sms, cooperative, self.fused_ctas_per_sm)
+        return DeviceInfo(self.num_sms, cooperative, self.fused_ctas_per_sm, self.cuda_topk_status[0])
 
     def route(self, rows: int, width: int, page: int, *, score: bool = True) -> Route:
         """The planner's route for a call of ``rows`` rows and width bound ``width`` here

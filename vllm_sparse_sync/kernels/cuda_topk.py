@@ -1,0 +1,246 @@
+"""The CUDA top-k route (``cuda_radix``): ``cuda_topk.cu`` compiled at run time by NVRTC.
+
+Compiled on first use and cached per (device index, arch); launched with ``cuLaunchKernel`` on
+torch's current stream, so a call made while a torch CUDA graph captures is captured. No host
+sync, no allocation per call (the kernel needs no global scratch: its histograms and candidate
+list live in shared memory). Call ``warmup(device)`` (or make one eager call) before capturing:
+compiling and loading the module are not stream work.
+
+It uses ``cuda.bindings`` (``nvrtc`` and ``driver``), the layer ``cuda.core`` and CuPy sit on:
+``cuda.core``'s compile step queries the driver (so it cannot compile on a host without one, as
+the CPU test does) and its public names moved between ``cuda.core.experimental`` and
+``cuda.core`` across releases; ``cuda.bindings`` has kept these calls since CUDA 12.0.
+``status()`` says why the route is unavailable when it is (no CUDA, an old GPU, no
+``cuda-bindings``, no NVRTC library); the planner then falls back to the Triton top-k.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from functools import cache
+from pathlib import Path
+
+import torch
+
+SOURCE_PATH = Path(__file__).with_name("cuda_topk.cu")
+# (threads, float4 vectors per thread and tile) compiled in cuda_topk.cu
+VARIANTS = ((1024, 4), (1024, 2), (512, 4), (512, 8))
+MIN_CAPABILITY = (7, 0)
+_STATIC_SMEM_LIMIT = 48 * 1024
+HIST_BINS = 2048
+
+
+def source() -> str:
+    return SOURCE_PATH.read_text()
+
+
+def kernel_name(threads: int, vec: int, aligned: bool) -> str:
+    if (threads, vec) not in VARIANTS:
+        raise ValueError(f"cuda top-k: (threads, vec) must be one of {VARIANTS}, got {(threads, vec)}")
+    return f"topk_radix_t{threads}_v{vec}_a{int(bool(aligned))}"
+
+
+def _bindings():
+    """``(driver, nvrtc)`` from cuda-bindings (>= 12: ``cuda.bindings``; older: ``cuda``)."""
+    try:
+        from cuda.bindings import driver, nvrtc
+    except ImportError:
+        from cuda import cuda as driver  # type: ignore[no-redef]
+        from cuda import nvrtc  # type: ignore[no-redef]
+    return driver, nvrtc
+
+
+@cache
+def compiler_status() -> tuple[bool, str]:
+    """Whether NVRTC can be used here (no GPU needed), and why not."""
+    try:
+        _, nvrtc = _bindings()
+    except ImportError as exc:
+        return False, f"cuda-bindings is not installed ({exc}); pip install 'vllm-sparse-sync[cuda]'"
+    try:
+        err, major, minor = nvrtc.nvrtcVersion()
+    except Exception as exc:  # the NVRTC shared library is missing or broken
+        return False, f"NVRTC could not be loaded ({type(exc).__name__}: {exc})"
+    if int(err) != 0:
+        return False, f"nvrtcVersion failed ({err})"
+    return True, f"NVRTC {major}.{minor}"
+
+
+def status(device: torch.device | str | int | None = None) -> tuple[bool, str]:
+    """Whether the CUDA top-k can run on ``device`` (a CUDA device), and the reason if not."""
+    if not torch.cuda.is_available():
+        return False, "no CUDA device"
+    dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+    if dev.type != "cuda":
+        return False, f"device {dev} is not a CUDA device"
+    cap = torch.cuda.get_device_capability(dev)
+    if cap < MIN_CAPABILITY:
+        return False, f"compute capability {cap} < {MIN_CAPABILITY}"
+    return compiler_status()
+
+
+class CompileError(RuntimeError):
+    pass
+
+
+def _check(result, what: str):
+    """Unwrap a cuda-bindings ``(err, *values)`` result; raise on an error."""
+    err, *values = result if isinstance(result, tuple) else (result,)
+    if int(err) != 0:
+        raise RuntimeError(f"cuda top-k: {what} failed: {err}")
+    if not values:
+        return None
+    return values[0] if len(values) == 1 else tuple(values)
+
+
+def compile_source(arch: str, *, output: str = "cubin", extra_options: tuple[str, ...] = ()) -> tuple[bytes, str]:
+    """NVRTC-compile ``cuda_topk.cu`` for ``arch`` (e.g. ``"sm_90"``): ``(ptx or cubin bytes, log)``.
+
+    Needs no GPU. ``output="ptx"`` compiles for the virtual ``compute_XX`` arch.
+    """
+    _, nvrtc = _bindings()
+    if output not in ("ptx", "cubin"):
+        raise ValueError(f"output: 'ptx' or 'cubin', got {output!r}")
+    num = arch.split("_", 1)[1]
+    target = f"compute_{num}" if output == "ptx" else f"sm_{num}"
+    prog = _check(nvrtc.nvrtcCreateProgram(source().encode(), b"cuda_topk.cu", 0, [], []), "nvrtcCreateProgram")
+    try:
+        opts = [f"--gpu-architecture={target}".encode(), b"-std=c++17",
+                *(o.encode() for o in extra_options)]
+        (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+        size = _check(nvrtc.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
+        log = b" " * size
+        nvrtc.nvrtcGetProgramLog(prog, log)
+        log_text = log.decode(errors="replace").rstrip("\x00 \n")
+        if int(err) != 0:
+            raise CompileError(f"NVRTC failed to compile cuda_topk.cu for {arch}:\n{log_text}")
+        if output == "ptx":
+            size = _check(nvrtc.nvrtcGetPTXSize(prog), "nvrtcGetPTXSize")
+            buf = b" " * size
+            _check(nvrtc.nvrtcGetPTX(prog, buf), "nvrtcGetPTX")
+        else:
+            size = _check(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
+            buf = b" " * size
+            _check(nvrtc.nvrtcGetCUBIN(prog, buf), "nvrtcGetCUBIN")
+        return buf, log_text
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+
+
+class _Module:
+    """The compiled module of one device: its context and kernel handles."""
+
+    def __init__(self, index: int) -> None:
+        driver, _ = _bindings()
+        self.driver = driver
+        self.index = index
+        major, minor = torch.cuda.get_device_capability(index)
+        self.arch = f"sm_{major}{minor}"
+        _check(driver.cuInit(0), "cuInit")
+        cu_dev = _check(driver.cuDeviceGet(index), "cuDeviceGet")
+        # torch's runtime uses the device's primary context: the same one
+        self.ctx = _check(driver.cuDevicePrimaryCtxRetain(cu_dev), "cuDevicePrimaryCtxRetain")
+        _check(driver.cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent")
+        cubin, _ = compile_source(self.arch)
+        self.module = _check(driver.cuModuleLoadData(cubin), "cuModuleLoadData")
+        self.functions: dict[str, object] = {}
+        self.smem_set: dict[str, int] = {}
+
+    def function(self, name: str, smem: int):
+        fn = self.functions.get(name)
+        if fn is None:
+            fn = _check(self.driver.cuModuleGetFunction(self.module, name.encode()), f"cuModuleGetFunction({name})")
+            self.functions[name] = fn
+        if smem > _STATIC_SMEM_LIMIT and self.smem_set.get(name, 0) < smem:
+            attr = self.driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+            _check(self.driver.cuFuncSetAttribute(fn, attr, smem), "cuFuncSetAttribute(max dynamic smem)")
+            self.smem_set[name] = smem
+        return fn
+
+
+_MODULES: dict[int, _Module] = {}
+_LOCK = threading.Lock()
+
+
+def module_for(device: torch.device | str | int) -> _Module:
+    """The compiled module of a CUDA device (compiles and loads on first use)."""
+    index = torch.device(device).index if not isinstance(device, int) else device
+    if index is None:
+        index = torch.cuda.current_device()
+    mod = _MODULES.get(index)
+    if mod is None:
+        with _LOCK:
+            mod = _MODULES.get(index)
+            if mod is None:
+                ok, why = status(torch.device("cuda", index))
+                if not ok:
+                    raise RuntimeError(f"cuda top-k unavailable: {why}")
+                mod = _Module(index)
+                _MODULES[index] = mod
+    return mod
+
+
+def warmup(device: torch.device | str | int = "cuda", threads: int = 1024, vec: int = 4, cap: int = 8192) -> None:
+    """Compile, load and fetch the kernels outside capture."""
+    mod = module_for(device)
+    smem = smem_bytes(cap)
+    for aligned in (True, False):
+        mod.function(kernel_name(threads, vec, aligned), smem)
+
+
+def smem_bytes(cap: int) -> int:
+    """Dynamic shared memory of one CTA: the 2048-bin histogram and ``cap`` candidate keys."""
+    return 4 * (HIST_BINS + cap)
+
+
+def _int_dtype_flag(t: torch.Tensor, name: str) -> int:
+    if t.dtype == torch.int64:
+        return 1
+    if t.dtype == torch.int32:
+        return 0
+    raise ValueError(f"{name}: must be int32 or int64 for the CUDA top-k, got {t.dtype}")
+
+
+def launch_cuda_topk(x: torch.Tensor, stride_r: int, row_lens: torch.Tensor, active: torch.Tensor | None,
+                     out: torch.Tensor, k: int, sel_width: int, *, nan_low: bool = True,
+                     threads: int = 1024, vec: int = 4, cap: int = 8192) -> None:
+    """One CTA per row of ``out``: the top-``k`` positions of ``x[r, :len_r]`` into ``out[r]``.
+
+    ``len_r = min(row_lens[r], sel_width, active[0])`` is read on the device. Host work: pointer
+    and stride arithmetic and one driver launch on torch's current stream.
+    """
+    rows = out.shape[0]
+    if rows == 0:
+        return
+    if not (0 <= sel_width < 2**31) or not (0 < k < 2**31):
+        raise ValueError(f"cuda top-k: sel_width {sel_width} and k {k} must fit int32")
+    if row_lens.device != x.device or out.device != x.device or (active is not None and active.device != x.device):
+        raise ValueError("cuda top-k: logits, row_lens, active_width and out must share one device")
+    if row_lens.dim() != 1 or (row_lens.numel() > 1 and row_lens.stride(0) != 1):
+        raise ValueError("cuda top-k: row_lens must be 1-D and contiguous")
+    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    mod = module_for(index)
+    aligned = x.data_ptr() % 16 == 0 and stride_r % 4 == 0
+    smem = smem_bytes(cap)
+    fn = mod.function(kernel_name(threads, vec, aligned), smem)
+    driver = mod.driver
+    lens64 = _int_dtype_flag(row_lens, "row_lens")
+    if active is not None:
+        active64 = _int_dtype_flag(active, "active_width")
+        active_ptr = active.data_ptr()
+    else:
+        active64, active_ptr = 0, 0
+    values = (
+        ctypes.c_void_p(x.data_ptr()), ctypes.c_longlong(stride_r),
+        ctypes.c_void_p(row_lens.data_ptr()), ctypes.c_int(lens64),
+        ctypes.c_void_p(active_ptr), ctypes.c_int(active64),
+        ctypes.c_int(sel_width), ctypes.c_int(k),
+        ctypes.c_void_p(out.data_ptr()), ctypes.c_longlong(out.stride(0)),
+        ctypes.c_int(1 if nan_low else 0), ctypes.c_int(cap),
+    )
+    params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
+    stream = torch.cuda.current_stream(x.device).cuda_stream
+    _check(driver.cuCtxSetCurrent(mod.ctx), "cuCtxSetCurrent")
+    _check(driver.cuLaunchKernel(fn, rows, 1, 1, threads, 1, 1, smem, driver.CUstream(stream),
+                                 ctypes.addressof(params), 0), "cuLaunchKernel")

@@ -1,0 +1,101 @@
+"""Pure-torch emulation of ``cuda_topk.cu``: the same digit passes, early exit, tie rule and
+collection order, so the CPU tests pin down what the CUDA kernel must output (element for
+element, not only the set). See the comment at the top of ``cuda_topk.cu``.
+
+The kernel's storage modes (registers, shared-memory candidates, the row again) change where
+keys are read from, never the result; ``mode`` reports which one a row would take.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .reference import effective_lengths
+
+PASSES = ((21, 11), (10, 11), (0, 10))
+"""(shift, bits) of the digit of each pass: bits 31..21, 20..10, 9..0."""
+
+
+def order_keys(x: torch.Tensor, nan_low: bool = True) -> torch.Tensor:
+    """uint32 order keys as int64: ``bits | 2^31`` for positive floats, ``~bits`` for negative ones;
+    NaN -> 0 when ``nan_low``."""
+    bits = x.float().contiguous().view(torch.int32).long() & 0xFFFFFFFF
+    neg = (bits & 0x80000000) != 0
+    u = torch.where(neg, bits ^ 0xFFFFFFFF, bits | 0x80000000)
+    if nan_low:
+        u = torch.where((bits & 0x7FFFFFFF) > 0x7F800000, torch.zeros_like(u), u)
+    return u
+
+
+def _find_bin(hist: torch.Tensor, need: int) -> tuple[int, int, int]:
+    """(bin, need left in it, its count) of the need-th largest, counting from the top bin."""
+    rev = hist.flip(0)
+    incl = rev.cumsum(0)
+    i = int(torch.searchsorted(incl, torch.tensor(need, dtype=incl.dtype)))  # first incl >= need
+    before = int(incl[i - 1]) if i > 0 else 0
+    b = hist.numel() - 1 - i
+    return b, need - before, int(hist[b])
+
+
+@dataclass(frozen=True)
+class RowPlan:
+    """How the kernel resolves one row of more than k live keys."""
+
+    prefix: int
+    bits: int
+    """resolved top bits: 11, 22 or 32"""
+    need: int
+    """ties taken, lowest positions first"""
+    mode: str
+    """"registers", "candidates" or "global" (where the refinement reads keys), or "none" (early exit)"""
+
+
+def plan_row(u: torch.Tensor, k: int, *, tile: int = 16384, cap: int = 8192) -> RowPlan:
+    """The kernel's passes on the order keys ``u`` (int64, length n > k)."""
+    n = u.numel()
+    assert n > k >= 1
+    b, need, cnt = _find_bin(torch.bincount(u >> 21, minlength=2048), k)
+    prefix, bits = b, 11
+    if cnt == need:
+        return RowPlan(prefix, bits, need, "none")
+    mode = "registers" if n <= tile else ("candidates" if cnt <= cap else "global")
+    for shift, width in PASSES[1:]:
+        if cnt == need:
+            break
+        pshift = shift + width
+        sel = u[(u >> pshift) == prefix]
+        d, need, cnt = _find_bin(torch.bincount((sel >> shift) & ((1 << width) - 1), minlength=1 << width), need)
+        prefix = (prefix << width) | d
+        bits += width
+    return RowPlan(prefix, bits, need, mode)
+
+
+def topk_row(x: torch.Tensor, k: int, *, nan_low: bool = True, tile: int = 16384, cap: int = 8192) -> torch.Tensor:
+    """The kernel's output row (int32 [k]) for the live scores ``x`` (length n)."""
+    n = x.numel()
+    out = torch.full((k,), -1, dtype=torch.int32)
+    if n <= k:
+        out[:n] = torch.arange(n, dtype=torch.int32)
+        return out
+    u = order_keys(x, nan_low)
+    plan = plan_row(u, k, tile=tile, cap=cap)
+    hi = u >> (32 - plan.bits)
+    above = torch.nonzero(hi > plan.prefix).flatten()
+    ties = torch.nonzero(hi == plan.prefix).flatten()[: plan.need]
+    assert above.numel() == k - plan.need and ties.numel() == plan.need
+    out[:] = torch.cat([above, ties]).to(torch.int32)
+    return out
+
+
+def topk_indices(logits: torch.Tensor, row_lens: torch.Tensor, k: int, *,
+                 active_width: torch.Tensor | None = None, nan_low: bool = True,
+                 tile: int = 16384, cap: int = 8192) -> torch.Tensor:
+    """``int32 [rows, k]`` exactly as the CUDA kernel writes it (CPU tensors)."""
+    rows, width = logits.shape
+    eff = effective_lengths(row_lens, width, active_width)
+    out = torch.empty(rows, k, dtype=torch.int32)
+    for r, n in enumerate(eff.tolist()):
+        out[r] = topk_row(logits[r, :n].cpu(), k, nan_low=nan_low, tile=tile, cap=cap)
+    return out
