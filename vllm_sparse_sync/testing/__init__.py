@@ -7,6 +7,7 @@ from __future__ import annotations
 from .capture import DecodeGraph, decode_graph
 from .guard import SyncCheck, SyncCheckUnavailable, check_step, no_host_sync, sync_recorder
 from .isolate import run_isolated
+from .multirank import MultiRank, RankContext, RankFailure, RankPool, run_ranks
 from .layers import (
     CaptureProbe,
     DebugModeLayer,
@@ -19,6 +20,10 @@ from .watch import device_tensors
 
 __all__ = [
     "KINDS",
+    "MultiRank",
+    "RankContext",
+    "RankFailure",
+    "RankPool",
     "Budget",
     "CaptureProbe",
     "DebugModeLayer",
@@ -36,5 +41,6 @@ __all__ = [
     "device_tensors",
     "no_host_sync",
     "run_isolated",
+    "run_ranks",
     "sync_recorder",
 ]
