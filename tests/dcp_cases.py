@@ -16,7 +16,7 @@ catch it.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -29,6 +29,7 @@ from vllm_sparse_sync import (
     SeqLenShadow,
     dcp,
 )
+from vllm_sparse_sync.distributed import torch_logits
 from vllm_sparse_sync.kernels import reference as ref
 from vllm_sparse_sync.kernels.synth import random_k_cache, shard_k_cache
 from vllm_sparse_sync.lengths import compress_ceil
@@ -50,7 +51,7 @@ class Case:
     seed: int = 0
     authoritative: bool = True
     plant: str = ""
-    extra: dict = field(default_factory=dict)
+    local_route: str = "auto"
 
 
 def layout_of(case: Case, world: int = 1, rank: int = 0) -> IndexerLayout:
@@ -88,15 +89,24 @@ def _batch(qsl, seq, table, case: Case, device) -> DecodeBatch:
 
 
 def reference_topk(case: Case, cache, table, q, w, qsl, seq):
-    """Single-process top-k over the whole rows (CPU reference) and the rows' live lengths."""
+    """Single-process top-k over the whole rows, on the CPU: ``reference.topk_indices`` over
+    ``torch_logits`` (the CPU route's scores, which are shape-independent); with ``ties`` data
+    (exact arithmetic everywhere) also the full ``reference.indexer_topk`` via ``IndexerStep``.
+    Returns (top-k, the rows' live lengths, the global metadata)."""
     lay = layout_of(case)
     n, rows = len(case.seq_lens), sum(case.query_lens)
     builder = IndexerMetadataBuilder(lay, max_num_reqs=max(n, 1), max_num_tokens=max(rows, 1),
                                      max_pages_per_req=table.shape[1], device="cpu")
     meta = builder.build(_batch(qsl, seq, table.cpu(), case, "cpu"))
     step = IndexerStep(lay, max_rows=max(rows, 1), max_pages_per_req=table.shape[1], device="cpu")
-    want = step.run(meta, q.cpu(), w.cpu(), cache.cpu())
     active, width = step.contract(meta)
+    args = (q.cpu(), w.cpu(), cache.cpu(), meta.block_table, meta.row_lens)
+    logits = torch_logits(*args, width, active_width=active)
+    want = ref.topk_indices(logits, meta.row_lens, case.k, active_width=active)
+    if case.ties:
+        full = step.run(meta, *args[:3])
+        if not torch.equal(full, want):
+            raise AssertionError(f"{case}: reference.indexer_topk and torch_logits disagree on exact data")
     eff = ref.effective_lengths(meta.row_lens, min(width, table.shape[1] * PAGE), active)
     return want, eff, meta
 
@@ -148,7 +158,8 @@ def run_case(ctx, case: Case, *, sentinel: bool) -> dict:
         n, rows = len(case.seq_lens), sum(case.query_lens)
         builder = IndexerMetadataBuilder(lay, max_num_reqs=max(n, 1), max_num_tokens=max(rows, 1),
                                          max_pages_per_req=table_l.shape[1], device=dev)
-        step = DcpIndexerStep(lay, max_rows=max(rows, 1), max_pages_per_req=table_l.shape[1], device=dev)
+        step = DcpIndexerStep(lay, max_rows=max(rows, 1), max_pages_per_req=table_l.shape[1], device=dev,
+                              local_route=case.local_route)
         batch = _batch(qsl, seq, table_l, case, dev)
         got = []
 
@@ -174,6 +185,8 @@ def compare(case, res, want, eff, rank, world, cache, meta_g, cache_l, builder) 
     errors = []
     gi, li, mask = res.global_idx.cpu(), res.local_idx.cpu(), res.local_mask.cpu()
     k, I = case.k, case.interleave
+    split_g = ref.split_index_k_cache(cache.cpu(), HEAD_DIM)
+    split_l = ref.split_index_k_cache(cache_l.cpu(), HEAD_DIM)
     for r in range(gi.shape[0]):
         n = int(eff[r])
         g_row, w_row = gi[r], want[r]
@@ -196,8 +209,6 @@ def compare(case, res, want, eff, rank, world, cache, meta_g, cache_l, builder) 
             errors.append(f"{where}: local_idx {li[r].tolist()} where owned is {owned.tolist()}")
             continue
         table_l = builder.block_table_buffer[r].cpu()
-        split_g = ref.split_index_k_cache(cache.cpu(), HEAD_DIM)
-        split_l = ref.split_index_k_cache(cache_l.cpu(), HEAD_DIM)
         for j in owned.nonzero().flatten().tolist():
             a = _token_bytes(split_g, meta_g.block_table[r], int(g_row[j]))
             b = _token_bytes(split_l, table_l, int(li[r, j]))

@@ -63,41 +63,57 @@ def _all_gather():
     return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def torch_local_candidates(q_fp8: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor,
-                           block_table: torch.Tensor, row_lens: torch.Tensor, k: int, width: int, *,
-                           active_width: torch.Tensor | None = None
-                           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Local top-``k`` positions ``int32 [rows, k]`` and their scores ``fp32 [rows, k]``.
+def torch_logits(q_fp8: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor,
+                 block_table: torch.Tensor, row_lens: torch.Tensor, width: int, *,
+                 active_width: torch.Tensor | None = None) -> torch.Tensor:
+    """Indexer scores ``fp32 [rows, min(width, pages * page)]``, ``-inf`` on dead positions.
 
-    The reference's semantics (``reference.indexer_topk``: same scores, same set, ties to the
-    lower position) with static shapes and no host reads of the data: every position up to
-    ``min(width, pages * page)`` is scored (dense: small shapes only) and dead ones are keyed
-    below every live one. Padding: position ``-1``, score ``-inf``.
+    ``reference.paged_indexer_logits``'s formula with static shapes and no host reads (dense:
+    every position is scored; small shapes only). Each score is a fixed function of its own
+    row's inputs and token, whatever the shapes around it: the fp8 dot products are exact in
+    fp64 and the heads are summed in a fixed order, so a token scores the same on its DCP rank
+    as in the whole row, and a DCP run can be compared exactly with a single-process one.
     """
-    rows, _, head_dim = q_fp8.shape
+    _, heads, head_dim = q_fp8.shape
     page = ref.page_size_of(k_cache, head_dim)
     values, scales = ref.split_index_k_cache(k_cache, head_dim)
     num_pages = k_cache.shape[0]
     span = min(int(width), block_table.shape[1] * page)
-    dev = q_fp8.device
-    t = torch.arange(span, device=dev)
+    t = torch.arange(span, device=q_fp8.device)
     pages = block_table[:, t // page].long()
     ok = (pages >= 0) & (pages < num_pages)
     safe = pages.clamp(0, max(num_pages - 1, 0))
-    kv = values[safe, t % page].float()  # [rows, span, D]
-    s = scales[safe, t % page]
-    dots = torch.matmul(q_fp8.float(), kv.transpose(1, 2))  # [rows, H, span]
+    kv = values[safe, t % page].double()  # [rows, span, D]
+    dots = torch.matmul(q_fp8.double(), kv.transpose(1, 2)).float()  # exact, then one rounding
     relu = torch.where(torch.isnan(dots), torch.zeros_like(dots), dots).clamp_min(0)  # maxNum
-    logit = (weights[:, :, None] * relu).sum(1) * s
-    logit = torch.where(ok, logit, torch.full_like(logit, float("-inf")))
+    w = weights.float()
+    logit = w[:, 0, None] * relu[:, 0]
+    for h in range(1, heads):
+        logit = logit + w[:, h, None] * relu[:, h]
+    logit = logit * scales[safe, t % page]
     live = t[None, :] < ref.effective_lengths(row_lens, span, active_width)[:, None]
-    pos = torch.where(live, t[None, :].expand(rows, span), torch.full_like(pages, -1))
-    keys = dcp.candidate_keys(logit, pos)
+    return torch.where(ok & live, logit, torch.full_like(logit, float("-inf")))
+
+
+def torch_local_candidates(q_fp8: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor,
+                           block_table: torch.Tensor, row_lens: torch.Tensor, k: int, width: int, *,
+                           active_width: torch.Tensor | None = None
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Local top-``k`` positions ``int32 [rows, k]`` and their scores ``fp32 [rows, k]`` over
+    :func:`torch_logits`, with ``reference.topk_indices``'s semantics (the live positions; ties
+    to the lower position), static shapes and no host reads. Padding: ``-1`` / ``-inf``."""
+    logit = torch_logits(q_fp8, weights, k_cache, block_table, row_lens, width,
+                         active_width=active_width)
+    rows, span = logit.shape
+    dev = logit.device
+    t = torch.arange(span, device=dev)
+    live = t[None, :] < ref.effective_lengths(row_lens, span, active_width)[:, None]
+    pos = torch.where(live, t[None, :].expand(rows, span), torch.full_like(logit, -1, dtype=torch.long))
     take = min(k, span)
-    top = torch.topk(keys, take, dim=1, sorted=True).values
+    top = torch.topk(dcp.candidate_keys(logit, pos), take, dim=1, sorted=True).values
     idx = dcp.key_ids(top)
     scores = torch.where(idx >= 0, logit.gather(1, idx.clamp_min(0).long()),
-                         torch.full_like(top, float("-inf"), dtype=torch.float32))
+                         torch.full(idx.shape, float("-inf"), device=dev))
     if take < k:
         idx = torch.cat([idx, torch.full((rows, k - take), -1, dtype=idx.dtype, device=dev)], 1)
         scores = torch.cat([scores, torch.full((rows, k - take), float("-inf"), device=dev)], 1)
