@@ -69,6 +69,17 @@ def _timer(device: str, iters: int):
 
 
 def bench_rank(ctx, shapes: list[tuple[int, int]], k: int, heads: int, iters: int) -> list[dict]:
+    out = []
+    for B, L in shapes:
+        out.append(bench_shape(ctx, B, L, k, heads, iters))
+        if ctx.device != "cpu":
+            import torch
+
+            torch.cuda.empty_cache()
+    return out
+
+
+def bench_shape(ctx, B: int, L: int, k: int, heads: int, iters: int) -> dict:
     import torch
     import torch.distributed as dist
 
@@ -80,70 +91,60 @@ def bench_rank(ctx, shapes: list[tuple[int, int]], k: int, heads: int, iters: in
         IndexerStep,
         SeqLenShadow,
     )
+    from vllm_sparse_sync.distributed import torch_local_candidates
     from vllm_sparse_sync.kernels.synth import random_k_cache
     from vllm_sparse_sync.lengths import dcp_localize
 
     dev, world, rank = ctx.device, ctx.world_size, ctx.rank
     time_graph = _timer("cpu" if dev == "cpu" else "cuda", iters)
     page, head_dim = 64, 128
-    out = []
-    for B, L in shapes:
-        g = torch.Generator().manual_seed(B * 7 + L)
-        q = (torch.randn(B, heads, head_dim, generator=g) * 0.7).to(torch.float8_e4m3fn).to(dev)
-        w = torch.randn(B, heads, generator=g).to(dev)
-        qsl = torch.arange(B + 1, dtype=torch.int32)
-        seq = torch.full((B,), L, dtype=torch.int32)
-        shadow = SeqLenShadow(seq.clone())
-        row = {"B": B, "L": L, "k": k, "world": world, "rank": rank}
+    g = torch.Generator().manual_seed(B * 7 + L)
+    q = (torch.randn(B, heads, head_dim, generator=g) * 0.7).to(torch.float8_e4m3fn).to(dev)
+    w = torch.randn(B, heads, generator=g).to(dev)
+    qsl = torch.arange(B + 1, dtype=torch.int32)
+    seq = torch.full((B,), L, dtype=torch.int32)
+    shadow = SeqLenShadow(seq.clone())
+    row = {"B": B, "L": L, "k": k, "world": world, "rank": rank}
 
-        def setup(lay, cache_rows):
-            pages = -(-cache_rows // page)
-            cache = random_k_cache(B * pages, page, head_dim, device=dev,
-                                   generator=torch.Generator(device=dev).manual_seed(rank))
-            table = torch.arange(B * pages, dtype=torch.int32, device=dev).view(B, pages)
-            builder = IndexerMetadataBuilder(lay, max_num_reqs=B, max_num_tokens=B,
-                                             max_pages_per_req=pages, device=dev)
-            batch = DecodeBatch(qsl.clone().to(dev), qsl, seq.clone().to(dev), shadow, table, L)
-            return cache, builder, batch, pages
+    def setup(lay, cache_rows):
+        pages = -(-cache_rows // page)
+        cache = random_k_cache(B * pages, page, head_dim, device=dev,
+                               generator=torch.Generator(device=dev).manual_seed(rank))
+        table = torch.arange(B * pages, dtype=torch.int32, device=dev).view(B, pages)
+        builder = IndexerMetadataBuilder(lay, max_num_reqs=B, max_num_tokens=B,
+                                         max_pages_per_req=pages, device=dev)
+        batch = DecodeBatch(qsl.clone().to(dev), qsl, seq.clone().to(dev), shadow, table, L)
+        return cache, builder.build(batch), builder, pages
 
-        # the single-GPU step over whole rows
-        glay = IndexerLayout(backend="b12x", topk=k, max_model_len=L, num_heads=heads)
-        cache, builder, batch, pages = setup(glay, L)
-        single = IndexerStep.for_builder(builder)
-        meta = builder.build(batch)
-        res = torch.empty(B, k, dtype=torch.int32, device=dev)
-        if dev == "cpu":
-            from vllm_sparse_sync.distributed import torch_local_candidates
-
-            act, width = single.contract(meta)
-            row["single_us"] = time_graph(lambda: torch_local_candidates(
-                q, w, cache, meta.block_table, meta.row_lens, k, width, active_width=act))
-        else:
-            row["single_us"] = time_graph(lambda: single.run(meta, q, w, cache, out=res))
-        del cache, builder, single
-        # the DCP step over this rank's shard
-        lay = IndexerLayout(backend="b12x", topk=k, max_model_len=L, num_heads=heads,
-                            dcp_world_size=world, dcp_rank=rank)
-        cache, builder, batch, pages = setup(lay, dcp_localize(L, world, rank))
-        step = DcpIndexerStep(lay, max_rows=B, max_pages_per_req=pages, device=dev)
-        meta = builder.build(batch)
-        dist.barrier()
-        row["dcp_us"] = time_graph(lambda: step.run(meta, q, w, cache))
-        dist.barrier()
-        row["local_us"] = time_graph(lambda: step.local_candidates(meta, q, w, cache))
-        send, gathered = step.send[: B * k], step.gathered[: world * B * k]
-        dist.barrier()
-        row["allgather_us"] = time_graph(lambda: step._gather(gathered, send, group=step.group))
-        idx, scores = step.local_candidates(meta, q, w, cache)
-        dist.barrier()
-        row["merge_us"] = time_graph(lambda: step.merge(idx, scores))  # keys + all-gather + merge + remap
-        row["ratio"] = row["dcp_us"] / row["single_us"]
-        row["allgather_share"] = row["allgather_us"] / row["dcp_us"]
-        out.append(row)
-        del cache, builder, step
-        if dev != "cpu":
-            torch.cuda.empty_cache()
-    return out
+    # the single-GPU step over whole rows
+    glay = IndexerLayout(backend="b12x", topk=k, max_model_len=L, num_heads=heads)
+    gcache, gmeta, gbuilder, _ = setup(glay, L)
+    single = IndexerStep.for_builder(gbuilder)
+    res = torch.empty(B, k, dtype=torch.int32, device=dev)
+    if dev == "cpu":  # the reference reads lengths on the host: time the sync-free torch route
+        act, width = single.contract(gmeta)
+        row["single_us"] = time_graph(lambda: torch_local_candidates(
+            q, w, gcache, gmeta.block_table, gmeta.row_lens, k, width, active_width=act))
+    else:
+        row["single_us"] = time_graph(lambda: single.run(gmeta, q, w, gcache, out=res))
+    # the DCP step over this rank's shard
+    lay = IndexerLayout(backend="b12x", topk=k, max_model_len=L, num_heads=heads,
+                        dcp_world_size=world, dcp_rank=rank)
+    cache, meta, _, pages = setup(lay, dcp_localize(L, world, rank))
+    step = DcpIndexerStep(lay, max_rows=B, max_pages_per_req=pages, device=dev)
+    dist.barrier()
+    row["dcp_us"] = time_graph(lambda: step.run(meta, q, w, cache))
+    dist.barrier()
+    row["local_us"] = time_graph(lambda: step.local_candidates(meta, q, w, cache))
+    send, gathered = step.send[: B * k], step.gathered[: world * B * k]
+    dist.barrier()
+    row["allgather_us"] = time_graph(lambda: step._gather(gathered, send, group=step.group))
+    idx, scores = step.local_candidates(meta, q, w, cache)
+    dist.barrier()
+    row["merge_us"] = time_graph(lambda: step.merge(idx, scores))  # keys + all-gather + merge + remap
+    row["ratio"] = row["dcp_us"] / row["single_us"]
+    row["allgather_share"] = row["allgather_us"] / row["dcp_us"]
+    return row
 
 
 def table(rows: list[dict]) -> str:
@@ -169,7 +170,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     cpu = a.device == "cpu"
-    shapes = [tuple(int(x) for x in s.split("x")) for s in (a.shapes or (CPU_SHAPES if cpu else GPU_SHAPES)).split(",")]
+    spec = a.shapes or (CPU_SHAPES if cpu else GPU_SHAPES)
+    shapes = [tuple(int(x) for x in s.split("x")) for s in spec.split(",")]
     k = a.k or (64 if cpu else 2048)
     heads = a.heads or (16 if cpu else 64)
     iters = a.iters or (5 if cpu else 50)

@@ -141,7 +141,8 @@ def _token_bytes(split, table_row, pos):
     values, scales = split
     page = values.shape[1]
     p = table_row[pos // page].long()
-    return torch.cat([values.view(torch.uint8)[p, pos % page], scales[p, pos % page].reshape(1).view(torch.uint8)])
+    scale = scales[p, pos % page].reshape(1).view(torch.uint8)
+    return torch.cat([values.view(torch.uint8)[p, pos % page], scale])
 
 
 def run_case(ctx, case: Case, *, sentinel: bool) -> dict:
@@ -176,7 +177,8 @@ def run_case(ctx, case: Case, *, sentinel: bool) -> dict:
             step_fn()
         res = got[-1]
         errors += compare(case, res, want, eff, rank, world, cache, meta_g, cache_l, builder)
-        return {"errors": errors, "global": res.global_idx.cpu().clone(), "mask": res.local_mask.cpu().clone()}
+        return {"errors": errors, "global": res.global_idx.cpu().clone(),
+                "mask": res.local_mask.cpu().clone()}
     finally:
         undo()
 
@@ -184,7 +186,7 @@ def run_case(ctx, case: Case, *, sentinel: bool) -> dict:
 def compare(case, res, want, eff, rank, world, cache, meta_g, cache_l, builder) -> list[str]:
     errors = []
     gi, li, mask = res.global_idx.cpu(), res.local_idx.cpu(), res.local_mask.cpu()
-    k, I = case.k, case.interleave
+    k, inter = case.k, case.interleave
     split_g = ref.split_index_k_cache(cache.cpu(), HEAD_DIM)
     split_l = ref.split_index_k_cache(cache_l.cpu(), HEAD_DIM)
     for r in range(gi.shape[0]):
@@ -201,7 +203,7 @@ def compare(case, res, want, eff, rank, world, cache, meta_g, cache_l, builder) 
         valid = g_row >= 0
         if valid.any() and not bool(valid[: int(valid.sum())].all()):
             errors.append(f"{where}: -1 padding before valid entries: {g_row.tolist()}")
-        owned = valid & ((g_row // I) % world == rank)
+        owned = valid & ((g_row // inter) % world == rank)
         if not torch.equal(mask[r], owned):
             errors.append(f"{where}: mask {mask[r].tolist()} != owned {owned.tolist()}")
             continue

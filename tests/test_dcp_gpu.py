@@ -108,7 +108,13 @@ def _capture_replay(ctx):
     lengths; each replay equal to an eager run on the same lengths."""
     from dcp_cases import HEAD_DIM, HEADS, PAGE
 
-    from vllm_sparse_sync import DcpIndexerStep, DecodeBatch, IndexerLayout, IndexerMetadataBuilder, SeqLenShadow
+    from vllm_sparse_sync import (
+        DcpIndexerStep,
+        DecodeBatch,
+        IndexerLayout,
+        IndexerMetadataBuilder,
+        SeqLenShadow,
+    )
     from vllm_sparse_sync.kernels.synth import random_k_cache
     from vllm_sparse_sync.testing import check_step, device_tensors
     from vllm_sparse_sync.testing.layers import ALL_LAYERS

@@ -7,7 +7,6 @@ from __future__ import annotations
 from .capture import DecodeGraph, decode_graph
 from .guard import SyncCheck, SyncCheckUnavailable, check_step, no_host_sync, sync_recorder
 from .isolate import run_isolated
-from .multirank import MultiRank, RankContext, RankFailure, RankPool, run_ranks
 from .layers import (
     CaptureProbe,
     DebugModeLayer,
@@ -15,6 +14,7 @@ from .layers import (
     SentinelLayer,
     TraceLayer,
 )
+from .multirank import MultiRank, RankContext, RankFailure, RankPool, run_ranks
 from .records import KINDS, Budget, HostSyncError, SyncRecord, allowed_syncs
 from .watch import device_tensors
 
