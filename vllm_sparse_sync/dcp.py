@@ -32,37 +32,71 @@ def global_to_local(global_pos: torch.Tensor, world_size: int, rank: int,
     return torch.where(owned, lp, torch.full_like(lp, -1)).to(global_pos.dtype)
 
 
+PAD_KEY = -(2**63)
+"""Candidate key of a padding slot (``-1`` id): below the key of every real candidate."""
+
+_LOW32 = 0xFFFFFFFF
+
+
+def candidate_keys(scores: torch.Tensor, global_ids: torch.Tensor) -> torch.Tensor:
+    """One int64 key per candidate that orders as (score descending, global id ascending).
+
+    High 32 bits: the score's sortable int32 key (``reference.sortable_keys``: NaN below every
+    number, ``-0.0`` below ``+0.0``, as the top-k kernels order scores); low 32 bits:
+    ``2**32 - 1 - id``, so among equal scores the lowest global id has the largest key. Ids
+    ``< 0`` are padding and get ``PAD_KEY``, below every real key (ids must be ``< 2**31``).
+    The key carries the id, so one int64 tensor is all the all-gather moves. Device ops only.
+    """
+    from .kernels.reference import sortable_keys
+
+    if scores.shape != global_ids.shape:
+        raise ValueError(f"scores/global_ids: shapes differ, {tuple(scores.shape)} vs "
+                         f"{tuple(global_ids.shape)}")
+    ids = global_ids.long()
+    key = (sortable_keys(scores).long() << 32) + (_LOW32 - ids.clamp_min(0))
+    return torch.where(ids >= 0, key, torch.full_like(key, PAD_KEY))
+
+
+def key_ids(keys: torch.Tensor) -> torch.Tensor:
+    """Global ids of candidate keys (int32; ``-1`` for padding)."""
+    ids = _LOW32 - (keys & _LOW32)
+    return torch.where(keys != PAD_KEY, ids, torch.full_like(ids, -1)).to(torch.int32)
+
+
+def merge_candidate_keys(keys: torch.Tensor, k: int) -> torch.Tensor:
+    """Exact global top-``k`` of gathered candidate keys ``int64 [world, rows, k_local]``.
+
+    Returns ``int32 [rows, k]`` global ids, score descending then lowest id first, ``-1``
+    padded. Static shapes, no host reads: capturable. Exact because every winner of the global
+    top-k is in the local top-k of the rank that owns it, and keys are unique per row.
+    """
+    if keys.dim() != 3 or keys.dtype != torch.int64:
+        raise ValueError(f"keys: must be int64 [world, rows, k_local], got {keys.dtype} "
+                         f"{tuple(keys.shape)}")
+    if isinstance(k, bool) or not isinstance(k, int) or k <= 0:
+        raise ValueError(f"k: must be a positive int, got {k!r}")
+    world, rows, k_local = keys.shape
+    flat = keys.permute(1, 0, 2).reshape(rows, world * k_local)
+    take = min(k, world * k_local)
+    top = torch.topk(flat, take, dim=1, largest=True, sorted=True).values if take else flat[:, :0]
+    ids = key_ids(top)
+    if take < k:
+        ids = torch.cat([ids, torch.full((rows, k - take), -1, dtype=ids.dtype, device=ids.device)], 1)
+    return ids
+
+
 def merge_topk_candidates(scores: torch.Tensor, global_ids: torch.Tensor, k: int) -> torch.Tensor:
     """Exact global top-``k`` from gathered per-rank candidates.
 
     ``scores`` fp32 and ``global_ids`` int ``[world, rows, k_local]`` (``-1`` ids are padding).
-    Returns ``int32 [rows, k]``: score descending, ties to the lowest global id, ``-1`` padded.
+    Returns ``int32 [rows, k]``: score descending (in the kernels' order: NaN lowest), ties to
+    the lowest global id, ``-1`` padded.
     """
     if scores.shape != global_ids.shape or scores.dim() != 3:
         raise ValueError(
             f"scores/global_ids: must both be [world, rows, k_local], got {tuple(scores.shape)} "
             f"and {tuple(global_ids.shape)}"
         )
-    if k <= 0:
+    if isinstance(k, bool) or not isinstance(k, int) or k <= 0:
         raise ValueError(f"k: must be > 0, got {k}")
-    world, rows, k_local = scores.shape
-    ids = global_ids.permute(1, 0, 2).reshape(rows, world * k_local).long()
-    vals = scores.permute(1, 0, 2).reshape(rows, world * k_local).float()
-    valid = ids >= 0
-    vals = torch.where(valid, vals, torch.full_like(vals, float("-inf")))
-    # Two stable sorts: by id ascending, then by score descending (ties keep the id order);
-    # padding goes last because its id sorts past every real id.
-    big = torch.iinfo(torch.int64).max
-    order = torch.sort(torch.where(valid, ids, torch.full_like(ids, big)), dim=1, stable=True).indices
-    vals, ids, valid = vals.gather(1, order), ids.gather(1, order), valid.gather(1, order)
-    rank_key = torch.where(valid, vals, torch.full_like(vals, float("-inf")))
-    order = torch.sort(rank_key, dim=1, descending=True, stable=True).indices
-    ids, valid = ids.gather(1, order), valid.gather(1, order)
-    # Valid candidates with -inf scores must still precede padding: move padding last.
-    order = torch.sort((~valid).to(torch.int8), dim=1, stable=True).indices
-    ids, valid = ids.gather(1, order), valid.gather(1, order)
-    out = torch.where(valid, ids, torch.full_like(ids, -1))[:, :k]
-    if out.shape[1] < k:
-        pad = torch.full((rows, k - out.shape[1]), -1, dtype=out.dtype, device=out.device)
-        out = torch.cat([out, pad], dim=1)
-    return out.to(torch.int32)
+    return merge_candidate_keys(candidate_keys(scores, global_ids), k)

@@ -90,3 +90,38 @@ def make_case(
         q.to(device), w.to(device), k_cache, table.to(device),
         torch.tensor(lens, dtype=torch.int32).to(device),
     )
+
+
+def shard_k_cache(k_cache: torch.Tensor, block_table: torch.Tensor, world_size: int, rank: int,
+                  interleave: int = 1, *, head_dim: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """One DCP rank's share of a global paged K cache: ``(local_cache, local_block_table)``.
+
+    ``block_table`` ``int32 [n, pages]`` maps each request's global kernel rows to pages of
+    ``k_cache``; the rank keeps the rows ``g`` it owns (``(g // I) % W == rank``), in order, at
+    their local positions, in fresh pages: request ``i`` gets pages ``i * P .. i * P + P - 1``.
+    Rows on a page ``< 0`` (holes) are left zero. Test and benchmark data, not a hot path.
+    """
+    from ..dcp import local_to_global
+    from ..lengths import dcp_localize
+    from .reference import SCALE_BYTES, page_size_of, split_index_k_cache, write_index_k_cache
+
+    page = page_size_of(k_cache, head_dim)
+    n, pages_g = block_table.shape
+    rows_g = pages_g * page
+    pages_l = max(1, -(-dcp_localize(rows_g, world_size, rank, interleave) // page))
+    dev = k_cache.device
+    values, scales = split_index_k_cache(k_cache, head_dim)
+    num_pages = k_cache.shape[0]
+    g = local_to_global(torch.arange(pages_l * page, device=dev), world_size, rank, interleave)
+    gsafe = g.clamp(0, rows_g - 1)
+    src = block_table.to(dev).long()[:, gsafe // page]  # [n, local rows]
+    ok = (g < rows_g)[None, :] & (src >= 0) & (src < num_pages)
+    src = src.clamp(0, num_pages - 1)
+    v = values.view(torch.uint8)[src, gsafe % page].reshape(-1, head_dim).view(FP8_DTYPE)
+    s = scales[src, gsafe % page].reshape(-1)
+    slots = torch.arange(n * pages_l * page, device=dev)
+    slots = torch.where(ok.reshape(-1), slots, torch.full_like(slots, -1))
+    local = torch.zeros(n * pages_l, page * (head_dim + SCALE_BYTES), dtype=torch.uint8, device=dev)
+    write_index_k_cache(local, v.contiguous(), s.contiguous(), slots)
+    table = torch.arange(n * pages_l, dtype=torch.int32, device=dev).view(n, pages_l)
+    return local, table

@@ -14,11 +14,16 @@ from .layers import (
     SentinelLayer,
     TraceLayer,
 )
+from .multirank import MultiRank, RankContext, RankFailure, RankPool, run_ranks
 from .records import KINDS, Budget, HostSyncError, SyncRecord, allowed_syncs
 from .watch import device_tensors
 
 __all__ = [
     "KINDS",
+    "MultiRank",
+    "RankContext",
+    "RankFailure",
+    "RankPool",
     "Budget",
     "CaptureProbe",
     "DebugModeLayer",
@@ -36,5 +41,6 @@ __all__ = [
     "device_tensors",
     "no_host_sync",
     "run_isolated",
+    "run_ranks",
     "sync_recorder",
 ]

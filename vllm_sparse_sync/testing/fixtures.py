@@ -75,3 +75,23 @@ def vllm_indexer_case(request):
     from ..vllm import make_vllm_case
 
     return make_vllm_case(request.param, seed=0)
+
+
+@pytest.fixture(scope="session")
+def multirank():
+    """Run a function on N ranks of a torch.distributed group: `multirank.run(fn, *args,
+    world_size=2, backend="gloo")` calls `fn(ctx, *args)` on every rank (spawned processes; gloo
+    on CPUs, NCCL with one GPU per rank) and returns the per-rank results in rank order.
+
+    `fn` is a module-level function (it is pickled by reference); `ctx` is a `RankContext`
+    (`rank`, `world_size`, `backend`, `device`, `group`). A rank that raises fails the test with
+    a `RankFailure` carrying that rank's traceback; every wait has a timeout (`timeout=`,
+    seconds), so a hung rank fails instead of hanging; the rendezvous port is picked by the OS,
+    so it works under `pytest -n`. Ranks are spawned once per (world size, backend) and reused
+    for the session; NCCL with fewer GPUs than ranks skips the test with the reason.
+    """
+    from .multirank import MultiRank
+
+    runner = MultiRank()
+    yield runner
+    runner.close()

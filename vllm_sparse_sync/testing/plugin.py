@@ -14,6 +14,7 @@ import pytest
 from .fixtures import (
     enforce_budget,
     marker_budget,
+    multirank,
     no_host_sync,
     sync_recorder,
     uses_harness_fixture,
@@ -22,7 +23,7 @@ from .fixtures import (
 )
 from .report import SyncSession, store_checks
 
-__all__ = ["no_host_sync", "sync_recorder", "vllm_indexer_case"]
+__all__ = ["multirank", "no_host_sync", "sync_recorder", "vllm_indexer_case"]
 
 WARNING_FILTERS = (
     r"ignore:.*[Ss]ynchronization debug mode is a prototype feature:UserWarning",

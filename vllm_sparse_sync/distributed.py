@@ -1,0 +1,309 @@
+"""The decode indexer step across DCP ranks: an exact global top-k over torch.distributed.
+
+Decode context parallelism shards each request's cached kernel rows over ``W`` ranks (row
+``g`` on rank ``(g // I) % W``). Each rank runs :class:`DcpIndexerStep` on its own shard, in
+its own process, with the metadata of its own ``IndexerMetadataBuilder`` (DCP-local lengths):
+
+1. score its DCP-local rows and select its local top-``k`` with their scores;
+2. map local positions to global ones and pack each candidate into one int64 key that orders
+   as (score descending, global position ascending) (``dcp.candidate_keys``);
+3. all-gather the keys (``k`` per row and rank: static sizes) into a preallocated buffer;
+4. merge: the top-``k`` of the ``W * k`` keys of each row is the exact global top-``k``, ties to
+   the lowest global position (``dcp.merge_candidate_keys``);
+5. map back: global positions, and this rank's local indices with a mask of the selected
+   tokens that live here.
+
+Nothing is read from the device on the host and every shape is static for a row count, so with
+NCCL the whole step (builder output, scorer, local top-k, all-gather, merge, remap) captures in
+one CUDA graph. On CUDA the local stage is the Triton scorer and top-k (unfused, so that the
+scores of the selected positions can be read from the workspace); elsewhere a sync-free torch
+version of the reference (dense, for small shapes: tests and gloo on CPUs).
+
+Contract: every rank of the group calls ``run`` with the same number of rows (the same decode
+batch; only the lengths differ by rank), as vLLM's DCP ranks do. Construction checks the
+layouts of all ranks against each other and the group (one host collective, outside the
+decode loop) and raises the same error on every rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from . import dcp
+from .kernels import reference as ref
+from .kernels.config import DEFAULT_CONFIG, KernelConfig
+from .layout import IndexerLayout
+from .metadata import IndexerDecodeMetadata
+from .step import IndexerStep
+
+LOCAL_ROUTES = ("auto", "triton", "torch")
+
+
+@dataclass(frozen=True)
+class DcpTopk:
+    """A DCP step's result for ``rows`` decode rows; views of the step's persistent buffers.
+
+    ``global_idx``: ``int32 [rows, k]`` global kernel-row positions of the exact global top-k,
+    score descending then lowest position first, ``-1`` padded (equal as a set, row by row, to
+    a single-process top-k over the whole row). ``local_idx``: ``int32 [rows, k]`` this rank's
+    local position of each selected token, ``-1`` where another rank owns it (and for padding).
+    ``local_mask``: ``bool [rows, k]``, ``local_idx >= 0``.
+    """
+
+    global_idx: torch.Tensor
+    local_idx: torch.Tensor
+    local_mask: torch.Tensor
+
+
+def _all_gather():
+    import torch.distributed as dist
+
+    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def torch_logits(q_fp8: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor,
+                 block_table: torch.Tensor, row_lens: torch.Tensor, width: int, *,
+                 active_width: torch.Tensor | None = None) -> torch.Tensor:
+    """Indexer scores ``fp32 [rows, min(width, pages * page)]``, ``-inf`` on dead positions.
+
+    ``reference.paged_indexer_logits``'s formula with static shapes and no host reads (dense:
+    every position is scored; small shapes only). Each score is a fixed function of its own
+    row's inputs and token, whatever the shapes around it: the fp8 dot products are exact in
+    fp64 and the heads are summed in a fixed order, so a token scores the same on its DCP rank
+    as in the whole row, and a DCP run can be compared exactly with a single-process one.
+    """
+    _, heads, head_dim = q_fp8.shape
+    page = ref.page_size_of(k_cache, head_dim)
+    values, scales = ref.split_index_k_cache(k_cache, head_dim)
+    num_pages = k_cache.shape[0]
+    span = min(int(width), block_table.shape[1] * page)
+    t = torch.arange(span, device=q_fp8.device)
+    pages = block_table[:, t // page].long()
+    ok = (pages >= 0) & (pages < num_pages)
+    safe = pages.clamp(0, max(num_pages - 1, 0))
+    kv = values[safe, t % page].double()  # [rows, span, D]
+    dots = torch.matmul(q_fp8.double(), kv.transpose(1, 2)).float()  # exact, then one rounding
+    relu = torch.where(torch.isnan(dots), torch.zeros_like(dots), dots).clamp_min(0)  # maxNum
+    w = weights.float()
+    logit = w[:, 0, None] * relu[:, 0]
+    for h in range(1, heads):
+        logit = logit + w[:, h, None] * relu[:, h]
+    logit = logit * scales[safe, t % page]
+    live = t[None, :] < ref.effective_lengths(row_lens, span, active_width)[:, None]
+    return torch.where(ok & live, logit, torch.full_like(logit, float("-inf")))
+
+
+def torch_local_candidates(q_fp8: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor,
+                           block_table: torch.Tensor, row_lens: torch.Tensor, k: int, width: int, *,
+                           active_width: torch.Tensor | None = None
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Local top-``k`` positions ``int32 [rows, k]`` and their scores ``fp32 [rows, k]`` over
+    :func:`torch_logits`, with ``reference.topk_indices``'s semantics (the live positions; ties
+    to the lower position), static shapes and no host reads. Padding: ``-1`` / ``-inf``."""
+    logit = torch_logits(q_fp8, weights, k_cache, block_table, row_lens, width,
+                         active_width=active_width)
+    rows, span = logit.shape
+    dev = logit.device
+    t = torch.arange(span, device=dev)
+    live = t[None, :] < ref.effective_lengths(row_lens, span, active_width)[:, None]
+    pos = torch.where(live, t[None, :].expand(rows, span), torch.full_like(logit, -1, dtype=torch.long))
+    take = min(k, span)
+    top = torch.topk(dcp.candidate_keys(logit, pos), take, dim=1, sorted=True).values
+    idx = dcp.key_ids(top)
+    scores = torch.where(idx >= 0, logit.gather(1, idx.clamp_min(0).long()),
+                         torch.full(idx.shape, float("-inf"), device=dev))
+    if take < k:
+        idx = torch.cat([idx, torch.full((rows, k - take), -1, dtype=idx.dtype, device=dev)], 1)
+        scores = torch.cat([scores, torch.full((rows, k - take), float("-inf"), device=dev)], 1)
+    return idx, scores
+
+
+def _group_info(group) -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("DcpIndexerStep: torch.distributed is not initialized (call "
+                           "torch.distributed.init_process_group first, on every rank)")
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def rank_layout(layout: IndexerLayout, group=None) -> IndexerLayout:
+    """``layout`` with ``dcp_world_size`` and ``dcp_rank`` taken from ``group`` (default: the
+    world group): the layout of this rank's builder and step, with no rank to get wrong."""
+    if not isinstance(layout, IndexerLayout):
+        raise TypeError(f"layout: must be an IndexerLayout, got {type(layout).__name__}")
+    world, rank = _group_info(group)
+    return replace(layout, dcp_world_size=world, dcp_rank=rank)
+
+
+class DcpIndexerStep:
+    """The decode indexer step of one DCP rank: an exact global top-k across the ranks of
+    ``group`` (default: the world group), planned for up to ``max_rows`` rows.
+
+    Construct it on every rank of the group with that rank's layout (``dcp_world_size`` = the
+    group's size, ``dcp_rank`` = the rank in the group; ``topk``, interleave, ratio, page size,
+    backend and ``max_rows`` equal on every rank): it checks all ranks' settings against each
+    other in one host collective and raises the same ``ValueError`` on every rank when any is
+    wrong, so no rank is left waiting in a later collective.
+    """
+
+    def __init__(self, layout: IndexerLayout, group=None, *, max_rows: int, max_pages_per_req: int,
+                 device: torch.device | str, config: KernelConfig | None = None,
+                 local_route: str = "auto") -> None:
+        world, rank = _group_info(group)
+        self.group = group
+        problems = self._local_problems(layout, world, rank, max_rows, max_pages_per_req, config,
+                                        local_route)
+        settings = None
+        if not problems:
+            settings = (layout.topk, layout.cp_interleave, layout.compress_ratio, layout.page_size,
+                        str(layout.backend.value), max_rows)
+        self._agree(world, rank, layout if not problems else None, settings, problems)
+        self.layout = layout
+        self.world_size, self.rank = world, rank
+        self.max_rows = max_rows
+        self.device = torch.device(device)
+        self.k = layout.topk
+        config = DEFAULT_CONFIG if config is None else config
+        # unfused: the scorer leaves its scores in the workspace, where the merge reads them
+        self.inner = IndexerStep(layout, max_rows=max_rows, max_pages_per_req=max_pages_per_req,
+                                 device=self.device, config=config.with_values(**{"fused.enabled": False}))
+        if local_route == "auto":
+            local_route = "triton" if self.device.type == "cuda" else "torch"
+        self.local_route = local_route
+        k = self.k
+        i32 = dict(dtype=torch.int32, device=self.device)
+        self.local_topk = torch.full((max_rows, k), -1, **i32)
+        self.send = torch.empty(max_rows * k, dtype=torch.int64, device=self.device)
+        self.gathered = torch.empty(world * max_rows * k, dtype=torch.int64, device=self.device)
+        self.global_idx = torch.full((max_rows, k), -1, **i32)
+        self.local_idx = torch.full((max_rows, k), -1, **i32)
+        self.local_mask = torch.zeros(max_rows, k, dtype=torch.bool, device=self.device)
+        self._gather = _all_gather()
+
+    # ------------------------------------------------------------------ checks (host)
+    @staticmethod
+    def _local_problems(layout, world, rank, max_rows, max_pages_per_req, config, local_route) -> list[str]:
+        out = []
+        if not isinstance(layout, IndexerLayout):
+            return [f"layout: must be an IndexerLayout, got {type(layout).__name__}"]
+        if layout.dcp_world_size != world:
+            out.append(f"layout.dcp_world_size={layout.dcp_world_size} does not match the process "
+                       f"group's size {world}")
+        if layout.dcp_rank != rank:
+            out.append(f"layout.dcp_rank={layout.dcp_rank} is not this process's rank {rank} in the "
+                       f"group (of size {world})")
+        for name, v in (("max_rows", max_rows), ("max_pages_per_req", max_pages_per_req)):
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                out.append(f"{name}: must be a positive int, got {v!r}")
+        if config is not None and not isinstance(config, KernelConfig):
+            out.append(f"config: must be a KernelConfig, got {type(config).__name__}")
+        if local_route not in LOCAL_ROUTES:
+            out.append(f"local_route: must be one of {', '.join(LOCAL_ROUTES)}, got {local_route!r}")
+        return out
+
+    def _agree(self, world, rank, layout, settings, problems) -> None:
+        """Every rank's problems and settings, exchanged; the same error on every rank."""
+        import torch.distributed as dist
+
+        mine = {"rank": rank, "problems": problems, "settings": settings,
+                "dcp_rank": getattr(layout, "dcp_rank", None)}
+        everyone: list = [None] * world
+        dist.all_gather_object(everyone, mine, group=self.group)
+        lines = [f"rank {e['rank']}: {p}" for e in everyone for p in e["problems"]]
+        if not lines:
+            names = ("topk", "cp_interleave", "compress_ratio", "page_size", "backend", "max_rows")
+            first = everyone[0]["settings"]
+            for e in everyone[1:]:
+                for name, a, b in zip(names, first, e["settings"]):
+                    if a != b:
+                        lines.append(f"rank {e['rank']}: {name}={b!r} differs from rank "
+                                     f"{everyone[0]['rank']}'s {a!r}")
+        if lines:
+            raise ValueError("DcpIndexerStep: the ranks disagree or are misconfigured:\n  "
+                             + "\n  ".join(lines))
+
+    def _check_rows(self, rows: int) -> None:
+        if rows > self.max_rows:
+            raise ValueError(f"meta: {rows} rows exceed the step's max_rows={self.max_rows}")
+
+    # -------------------------------------------------------------------------- run
+    def local_candidates(self, meta: IndexerDecodeMetadata, q_fp8: torch.Tensor, weights: torch.Tensor,
+                         k_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's local top-``k`` over its shard: ``(int32 positions, fp32 scores)``,
+        ``[meta.num_rows, k]`` each, ``-1`` / ``-inf`` padded. Sync-free."""
+        if not isinstance(meta, IndexerDecodeMetadata):
+            raise TypeError(f"meta: must be IndexerDecodeMetadata (from the builder), got "
+                            f"{type(meta).__name__}")
+        rows = meta.num_rows
+        self._check_rows(rows)
+        if not isinstance(q_fp8, torch.Tensor) or q_fp8.dim() != 3 or q_fp8.shape[0] != rows:
+            got = tuple(q_fp8.shape) if isinstance(q_fp8, torch.Tensor) else type(q_fp8).__name__
+            raise ValueError(f"q_fp8: must be [num_rows={rows}, heads, head_dim], got {got}")
+        active, width = self.inner.contract(meta)
+        if self.local_route == "torch":
+            return torch_local_candidates(q_fp8, weights, k_cache, meta.block_table, meta.row_lens,
+                                          self.k, width, active_width=active)
+        from .kernels import triton_ops
+
+        idx = self.local_topk[:rows]
+        ws = self.inner.workspace
+        if ws is None:  # the Triton interpreter on CPU tensors (tests)
+            from .kernels.workspace import IndexerTopkWorkspace
+
+            ws = self.inner.workspace = IndexerTopkWorkspace(
+                self.max_rows, self.k, self.inner.width_capacity, self.device, config=self.inner.config)
+        triton_ops.indexer_topk(q_fp8, weights, k_cache, meta.block_table, meta.row_lens, self.k,
+                                active_width=active, width=width, workspace=ws, out=idx)
+        # unfused route: the scores of every live column are in the workspace's logits
+        scores = ws.logits[:rows].gather(1, idx.clamp_min(0).long())
+        return idx, torch.where(idx >= 0, scores, torch.full_like(scores, float("-inf")))
+
+    def merge(self, local_idx: torch.Tensor, local_scores: torch.Tensor) -> DcpTopk:
+        """Gather every rank's candidates and merge them into the exact global top-``k``.
+
+        ``local_idx`` int ``[rows, k]`` local positions (``-1`` padding), ``local_scores`` fp32
+        ``[rows, k]``; every rank must call it with the same ``rows``. Shapes are checked before
+        the collective. Sync-free, static shapes: capturable with NCCL.
+        """
+        for name, t in (("local_idx", local_idx), ("local_scores", local_scores)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name}: must be a tensor, got {type(t).__name__}")
+        rows = local_idx.shape[0] if local_idx.dim() == 2 else -1
+        if local_idx.dim() != 2 or local_idx.shape[1] != self.k or rows > self.max_rows:
+            raise ValueError(f"local_idx: must be [rows <= max_rows={self.max_rows}, k={self.k}] "
+                             f"candidates, got {tuple(local_idx.shape)}")
+        if local_scores.shape != local_idx.shape:
+            raise ValueError(f"local_scores: must match local_idx's shape {tuple(local_idx.shape)}, "
+                             f"got {tuple(local_scores.shape)}")
+        if local_idx.device != self.device and not (local_idx.device.type == self.device.type
+                                                    and self.device.index is None):
+            raise ValueError(f"local_idx: must live on the step's device {self.device}, got "
+                             f"{local_idx.device}")
+        if local_idx.dtype not in (torch.int32, torch.int64) or local_scores.dtype != torch.float32:
+            raise ValueError(f"local_idx/local_scores: must be int32 or int64 / float32, got "
+                             f"{local_idx.dtype} / {local_scores.dtype}")
+        k, world = self.k, self.world_size
+        out = DcpTopk(self.global_idx[:rows], self.local_idx[:rows], self.local_mask[:rows])
+        if rows == 0:
+            return out
+        lay = self.layout
+        gids = dcp.local_to_global(local_idx, world, self.rank, lay.cp_interleave)
+        send = self.send[:rows * k]
+        send.view(rows, k).copy_(dcp.candidate_keys(local_scores, gids))
+        gathered = self.gathered[:world * rows * k]
+        self._gather(gathered, send, group=self.group)
+        merged = dcp.merge_candidate_keys(gathered.view(world, rows, k), k)
+        out.global_idx.copy_(merged)
+        out.local_idx.copy_(dcp.global_to_local(merged, world, self.rank, lay.cp_interleave))
+        torch.ge(out.local_idx, 0, out=out.local_mask)
+        return out
+
+    def run(self, meta: IndexerDecodeMetadata, q_fp8: torch.Tensor, weights: torch.Tensor,
+            k_cache: torch.Tensor) -> DcpTopk:
+        """The whole DCP step on this rank's shard: local scorer and top-k, all-gather, merge,
+        remap. Every rank must call it with the same ``meta.num_rows``. Sync-free."""
+        idx, scores = self.local_candidates(meta, q_fp8, weights, k_cache)
+        return self.merge(idx, scores)
