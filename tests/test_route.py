@@ -131,8 +131,13 @@ def test_cuda_radix_route_where_the_device_can_run_it():
     # without NVRTC (or on an old GPU) the Triton choice of "auto" runs
     assert plan_route(64, K64, 64, H200, CUDA_CFG) == plan_route(64, K64, 64, H200)
     assert plan_route(4, 4096, 64, H200, CUDA_CFG, score=False).kind == RADIX
-    # the default never takes it
-    assert plan_route(64, K64, 64, h200_nvrtc).kind == SAMPLE
+    # "auto" takes it from topk.cuda_min_rows rows up (measured faster there on the H200)
+    assert plan_route(64, K64, 64, h200_nvrtc).kind == CUDA_RADIX
+    assert plan_route(32, K64, 64, h200_nvrtc).kind == CUDA_RADIX
+    assert plan_route(31, K64, 64, h200_nvrtc, score=False).kind == RADIX
+    assert plan_route(64, K64, 64, H200).kind == SAMPLE
+    never = KernelConfig(topk=TopkConfig(cuda_min_rows=0))
+    assert plan_route(128, K64, 64, h200_nvrtc, never).kind == SAMPLE
 
 
 def test_cuda_radix_config_checks():
@@ -141,6 +146,8 @@ def test_cuda_radix_config_checks():
     with pytest.raises(ValueError, match="cuda_cap"):
         TopkConfig(cuda_cap=10**6)
     assert KernelConfig().with_values(**{"topk.algo": "cuda_radix"}).topk.algo == "cuda_radix"
+    with pytest.raises(ValueError, match="cuda_min_rows"):
+        TopkConfig(cuda_min_rows=-1)
 
 
 def test_a_cpu_workspace_says_why_it_has_no_cuda_topk():

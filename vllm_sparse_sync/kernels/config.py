@@ -54,9 +54,10 @@ class TopkConfig:
     """The unfused top-k (``triton_topk``: radix passes; ``triton_topk_sample``: sampled threshold)."""
 
     algo: str = "auto"
-    """"radix", "sample", or "auto": sample from ``sample_min_rows`` rows up (a static count);
-    "cuda_radix": the NVRTC-compiled CUDA kernel (``cuda_topk``) where the device and compiler
-    allow it, else what "auto" picks. Opt-in until measured on a GPU (see benchmarks/NOTES.md)."""
+    """"radix", "sample", "cuda_radix" (the NVRTC-compiled CUDA kernel, ``cuda_topk``, where the
+    device and compiler allow it, else what "auto" picks), or "auto": "cuda_radix" from
+    ``cuda_min_rows`` rows up where it can run, else "sample" from ``sample_min_rows`` rows up,
+    else "radix" (static counts)."""
     block: int = 1024
     """Scores per iteration."""
     warps: int = 4
@@ -64,6 +65,8 @@ class TopkConfig:
     max_chunks: int = 512
     """Most programs per row."""
     sample_min_rows: int = 32
+    cuda_min_rows: int = 32
+    """"auto": rows from which the CUDA top-k (one CTA per row) runs, where it can; 0: never."""
     cap: int = 8192
     """"sample": most candidates per row."""
     sample_above: int = 4096
@@ -92,6 +95,8 @@ class TopkConfig:
         if (self.cuda_threads, self.cuda_vec) not in ((1024, 4), (1024, 2), (512, 4), (512, 8)):
             raise ValueError("topk.cuda_threads/cuda_vec: one of (1024, 4), (1024, 2), (512, 4), (512, 8), "
                              f"got {(self.cuda_threads, self.cuda_vec)!r}")
+        if isinstance(self.cuda_min_rows, bool) or not isinstance(self.cuda_min_rows, int) or self.cuda_min_rows < 0:
+            raise ValueError(f"topk.cuda_min_rows: an int >= 0 (0: never), got {self.cuda_min_rows!r}")
         if isinstance(self.cuda_cap, bool) or not isinstance(self.cuda_cap, int) or not 0 <= self.cuda_cap <= 53248:
             raise ValueError(f"topk.cuda_cap: an int in [0, 53248] (shared memory), got {self.cuda_cap!r}")
         if isinstance(self.sample_above, bool) or not isinstance(self.sample_above, int) \

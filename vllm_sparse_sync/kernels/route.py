@@ -8,8 +8,8 @@ the schedule it was captured with.
 
 Routes: ``fused`` (score and select in one cooperative launch), ``radix`` and ``sample``
 (the scorer into a logits buffer, then that top-k algorithm), ``cuda_radix`` (the same, with
-the NVRTC-compiled CUDA top-k, one CTA per row, where ``DeviceInfo.cuda_topk`` says it can run;
-opt-in through ``topk.algo="cuda_radix"``). Every route returns the same
+the NVRTC-compiled CUDA top-k, one CTA per row, where ``DeviceInfo.cuda_topk`` says it can run:
+"auto" takes it from ``topk.cuda_min_rows`` rows up). Every route returns the same
 set of positions per row; the order inside a row is deterministic per route but unspecified.
 """
 
@@ -88,7 +88,8 @@ def topk_algo_for(rows: int, config: KernelConfig = DEFAULT_CONFIG, device: Devi
     """The unfused top-k algorithm for a call of ``rows`` rows ("cuda_radix" only where
     ``device.cuda_topk``; otherwise the Triton choice of "auto")."""
     algo = config.topk.algo
-    if algo == CUDA_RADIX and device is not None and device.cuda_topk:
+    cuda_ok = device is not None and device.cuda_topk
+    if cuda_ok and (algo == CUDA_RADIX or (algo == "auto" and 0 < config.topk.cuda_min_rows <= rows)):
         return CUDA_RADIX
     if algo not in ("auto", CUDA_RADIX):
         return algo

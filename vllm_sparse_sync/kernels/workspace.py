@@ -112,8 +112,9 @@ class IndexerTopkWorkspace:
         """Whether this workspace's calls may take the CUDA top-k, and why not (asked only when
         the configuration opts in: it imports cuda-bindings)."""
         if self._cuda_topk is None:
-            if self.config.topk.algo != CUDA_RADIX:
-                self._cuda_topk = (False, "topk.algo is not 'cuda_radix'")
+            tc = self.config.topk
+            if tc.algo != CUDA_RADIX and not (tc.algo == "auto" and tc.cuda_min_rows > 0):
+                self._cuda_topk = (False, f"topk.algo={tc.algo!r} does not use it")
             elif self.device.type != "cuda" or interpreting():
                 self._cuda_topk = (False, f"device {self.device} is not a CUDA device")
             else:

@@ -1,0 +1,102 @@
+"""The NVRTC-compiled CUDA top-k (``cuda_radix``) on a CUDA device: exact sets against the
+reference, the whole step on the route "auto" picks for many rows, capture and replay with new
+lengths, no host sync. Skips without CUDA or without cuda-bindings/NVRTC (with the reason)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm_sparse_sync.kernels import reference as ref
+from vllm_sparse_sync.kernels.synth import make_case
+from vllm_sparse_sync.kernels.verify import topk_violations
+
+
+def _status() -> tuple[bool, str]:
+    if not torch.cuda.is_available():
+        return False, "needs a CUDA device"
+    from vllm_sparse_sync.kernels.cuda_topk import status
+
+    return status("cuda")
+
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _status()[0], reason=f"CUDA top-k: {_status()[1]}")]
+DEV = "cuda"
+K = 2048
+
+
+def _launch(x, lens, out, active=None, k=K):
+    from vllm_sparse_sync.kernels.cuda_topk import launch_cuda_topk
+
+    launch_cuda_topk(x, x.stride(0), lens, active, out, k, x.shape[1])
+    return out
+
+
+def _sets(t):
+    return t.sort(1).values
+
+
+@pytest.mark.parametrize("ties", [False, True])
+def test_exact_sets_on_every_length(ties):
+    g = torch.Generator(device=DEV).manual_seed(3)
+    lens = [0, 1, 100, K - 1, K, K + 1, 5000, 65536, 131072, 70001]
+    x = torch.randn(len(lens), 131072, device=DEV, generator=g)
+    if ties:
+        x = x.round(decimals=0)
+    row_lens = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    for active in (None, torch.tensor([60000], dtype=torch.int32, device=DEV)):
+        got = _launch(x, row_lens, torch.empty(len(lens), K, dtype=torch.int32, device=DEV), active)
+        want = ref.topk_indices(x, row_lens, K, active_width=active)
+        assert torch.equal(_sets(got), _sets(want))
+
+
+def test_the_default_route_for_many_rows_is_the_cuda_top_k_and_is_exact():
+    from vllm_sparse_sync.kernels import triton_ops
+    from vllm_sparse_sync.kernels.workspace import IndexerTopkWorkspace
+
+    lens = [(i * 7919) % 40000 for i in range(48)]
+    lens[0] = 40000
+    case = make_case(lens, heads=64, device=DEV, seed=5)
+    width = case.block_table.shape[1] * 64
+    ws = IndexerTopkWorkspace(len(lens), K, width, DEV)
+    assert ws.route(len(lens), width, 64).kind == "cuda_radix"
+    got = triton_ops.indexer_topk(*case.args, K, workspace=ws)
+    dense = triton_ops.paged_indexer_logits(*case.args, width)
+    eff = ref.effective_lengths(case.row_lens, width)
+    finite = dense[torch.isfinite(dense)]
+    tol = 1e-5 * float(finite.abs().max()) + 1e-5
+    assert topk_violations(got, dense, eff, K, tol=tol) == []
+
+
+def test_capture_then_replay_with_new_lengths_and_width():
+    rows, width = 8, 65536
+    g = torch.Generator(device=DEV).manual_seed(11)
+    x = torch.randn(rows, width, device=DEV, generator=g)
+    lens = torch.full((rows,), width, dtype=torch.int32, device=DEV)
+    act = torch.tensor([width], dtype=torch.int32, device=DEV)
+    out = torch.empty(rows, K, dtype=torch.int32, device=DEV)
+    _launch(x, lens, out, act)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _launch(x, lens, out, act)
+    for seed, new_lens, a in [(1, [65536, 100, 0, 2048, 2049, 40000, 65535, 30000], 65536),
+                              (2, [65536] * 8, 50000), (3, [5000] * 8, 4000)]:
+        x.copy_(torch.randn(rows, width, device=DEV, generator=g).round(decimals=1 if seed == 2 else 4))
+        lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
+        act.fill_(a)
+        graph.replay()
+        want = ref.topk_indices(x, lens, K, active_width=act)
+        assert torch.equal(_sets(out), _sets(want)), seed
+        eager = _launch(x, lens, torch.empty_like(out), act)
+        assert torch.equal(out, eager), seed  # deterministic order too
+
+
+def test_no_host_sync():
+    from vllm_sparse_sync.testing import check_step
+
+    x = torch.randn(40, 16384, device=DEV)
+    lens = torch.full((40,), 16384, dtype=torch.int32, device=DEV)
+    out = torch.empty(40, K, dtype=torch.int32, device=DEV)
+    check = check_step(lambda: _launch(x, lens, out), where="cuda top-k")
+    assert check.ran and not check.records
