@@ -24,6 +24,7 @@ def _gpu_exact(ctx, cases):
 
     from vllm_sparse_sync import DcpIndexerStep, IndexerMetadataBuilder, IndexerStep
     from vllm_sparse_sync.kernels import reference as ref
+    from vllm_sparse_sync.kernels.config import DEFAULT_CONFIG
     from vllm_sparse_sync.kernels.synth import shard_k_cache
     from vllm_sparse_sync.kernels.verify import topk_violations
 
@@ -36,7 +37,10 @@ def _gpu_exact(ctx, cases):
         gb = IndexerMetadataBuilder(glay, max_num_reqs=n, max_num_tokens=rows,
                                     max_pages_per_req=table.shape[1], device=dev)
         gmeta = gb.build(_batch(qsl, seq, table, case, dev))
-        single = IndexerStep.for_builder(gb).run(gmeta, q, w, cache)
+        # the unfused single-GPU route: the fused one breaks threshold ties otherwise (a known
+        # bug, test_kernels_gpu::test_fused_route_gives_threshold_ties_to_the_lowest_positions)
+        unfused = DEFAULT_CONFIG.with_values(**{"fused.enabled": False})
+        single = IndexerStep.for_builder(gb, config=unfused).run(gmeta, q, w, cache)
         lay = layout_of(case, ctx.world_size, ctx.rank)
         cache_l, table_l = shard_k_cache(cache, table, ctx.world_size, ctx.rank, case.interleave)
         lb = IndexerMetadataBuilder(lay, max_num_reqs=n, max_num_tokens=rows,

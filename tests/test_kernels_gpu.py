@@ -100,7 +100,21 @@ def test_topk_exact_on_dense_logits(k, rows, algo):
     got = _ops().topk_indices(logits, lens, k, workspace=ws)
     assert topk_violations(got, logits, ref.effective_lengths(lens, width), k) == []
     assert torch.equal(got, _ops().topk_indices(logits, lens, k, workspace=ws))
-    assert torch.equal(got, _ops().topk_indices(logits, lens, k))  # both algorithms: same order
+    other = _ws(rows, k, algo="sample" if algo == "radix" else "radix")
+    assert torch.equal(got, _ops().topk_indices(logits, lens, k, workspace=other))  # Triton algos: same order
+    default = _ops().topk_indices(logits, lens, k)  # the CUDA top-k from 32 rows, where it can run
+    assert torch.equal(got.sort(1).values, default.sort(1).values)
+
+
+@pytest.mark.xfail(strict=True, reason="known bug: the fused route takes the k-th score's ties in "
+                   "(program, tile, lane) order, not lowest positions first (found by the DCP GPU test)")
+def test_fused_route_gives_threshold_ties_to_the_lowest_positions():
+    lens = [12000, 2047, 64]
+    case = make_case(lens, heads=16, ties=True, device=DEV, seed=3)
+    ws = _ws(len(lens), 2048, case.block_table.shape[1] * 64, "fused")
+    got = _ops().indexer_topk(*case.args, 2048, workspace=ws)
+    want = ref.indexer_topk(*(t.cpu() for t in case.args), 2048)
+    assert torch.equal(got.cpu().sort(1).values, want.sort(1).values)
 
 
 @pytest.mark.parametrize("algo", ALGOS)
