@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -19,18 +18,36 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from graph_timer import graph_replay_us  # noqa: E402
+
 from vllm_sparse_sync.kernels import cuda_topk  # noqa: E402
 from vllm_sparse_sync.kernels import cuda_topk_emu as emu  # noqa: E402
 from vllm_sparse_sync.kernels import reference as ref  # noqa: E402
 
 DEV = "cuda"
 K = 2048
-SHAPES = [(1, 4096), (1, 65536), (1, 131072), (8, 65536), (32, 16384), (32, 65536), (64, 16384),
-          (64, 65536), (128, 8192)]
+SHAPES = [
+    (1, 4096),
+    (1, 65536),
+    (1, 131072),
+    (8, 65536),
+    (32, 16384),
+    (32, 65536),
+    (64, 16384),
+    (64, 65536),
+    (128, 8192),
+]
 PEERS = {  # H200, us, CUDA-graph replays (the task's table): vLLM cooperative / persistent
-    (1, 4096): (3.5, 7.5), (1, 65536): (11.5, 23.4), (1, 131072): (13.3, 23.1), (8, 65536): (11.8, 24.9),
-    (32, 16384): (10.5, 14.1), (32, 65536): (24.1, 46.8), (64, 16384): (10.7, 10.9), (64, 65536): (20.9, 31.1),
-    (128, 8192): (None, 8.4)}
+    (1, 4096): (3.5, 7.5),
+    (1, 65536): (11.5, 23.4),
+    (1, 131072): (13.3, 23.1),
+    (8, 65536): (11.8, 24.9),
+    (32, 16384): (10.5, 14.1),
+    (32, 65536): (24.1, 46.8),
+    (64, 16384): (10.7, 10.9),
+    (64, 65536): (20.9, 31.1),
+    (128, 8192): (None, 8.4),
+}
 WIDE = 131072
 RESULTS: dict = {"errors": []}
 
@@ -49,13 +66,26 @@ def guarded(name):
                 log(f"ERROR in {name} {a}: {type(exc).__name__}: {exc}\n{tb}")
                 RESULTS["errors"].append(f"{name} {a}: {type(exc).__name__}: {str(exc)[:300]}")
                 return None
+
         return run
+
     return wrap
 
 
 def launch(x, lens, out, k=K, width=None, active=None, nan_low=True, variant=(1024, 4), cap=8192):
-    cuda_topk.launch_cuda_topk(x, x.stride(0), lens, active, out, k, x.shape[1] if width is None else width,
-                               nan_low=nan_low, threads=variant[0], vec=variant[1], cap=cap)
+    cuda_topk.launch_cuda_topk(
+        x,
+        x.stride(0),
+        lens,
+        active,
+        out,
+        k,
+        x.shape[1] if width is None else width,
+        nan_low=nan_low,
+        threads=variant[0],
+        vec=variant[1],
+        cap=cap,
+    )
     return out
 
 
@@ -84,8 +114,20 @@ def make_logits(kind: str, rows: int, width: int, seed: int) -> torch.Tensor:
 
 
 @guarded("exact")
-def check_exact(kind, rows, width, lens_list, variant, *, active=None, cap=8192, k=K, lens64=False,
-                unaligned=False, emulate_rows=4):
+def check_exact(
+    kind,
+    rows,
+    width,
+    lens_list,
+    variant,
+    *,
+    active=None,
+    cap=8192,
+    k=K,
+    lens64=False,
+    unaligned=False,
+    emulate_rows=4,
+):
     x = make_logits(kind, rows, width + (1 if unaligned else 0), seed=rows * 7 + width)
     if unaligned:
         x = x[:, 1:]  # row base 4 bytes off 16-byte alignment, stride width+1: the scalar-load kernel
@@ -99,14 +141,21 @@ def check_exact(kind, rows, width, lens_list, variant, *, active=None, cap=8192,
     set_ok = torch.equal(got_sorted, want_sorted)
     # element-for-element against the emulation on a few rows
     xc, lc = x[:emulate_rows].cpu(), lens[:emulate_rows].cpu()
-    emu_out = emu.topk_indices(xc, lc, k, active_width=None if act is None else act.cpu(),
-                               tile=variant[0] * 4 * variant[1], cap=cap)
+    emu_out = emu.topk_indices(
+        xc, lc, k, active_width=None if act is None else act.cpu(), tile=variant[0] * 4 * variant[1], cap=cap
+    )
     order_ok = torch.equal(out[:emulate_rows].cpu(), emu_out)
-    name = f"{kind} rows={rows} width={width} var={variant} cap={cap} act={active} lens64={lens64} unal={unaligned}"
+    name = (f"{kind} rows={rows} width={width} var={variant} cap={cap} act={active} "
+            f"lens64={lens64} unal={unaligned}")
     ok = set_ok and order_ok
     bad_rows = (got_sorted != want_sorted).any(dim=1).nonzero().flatten().tolist()[:5]
-    log(f"  {'ok  ' if ok else 'FAIL'} {name}" + ("" if ok else f" set_ok={set_ok} order_ok={order_ok} bad_rows={bad_rows}"))
-    RESULTS.setdefault("exact", []).append(dict(case=name, ok=ok, set_ok=set_ok, order_ok=order_ok, bad_rows=bad_rows))
+    log(
+        f"  {'ok  ' if ok else 'FAIL'} {name}"
+        + ("" if ok else f" set_ok={set_ok} order_ok={order_ok} bad_rows={bad_rows}")
+    )
+    RESULTS.setdefault("exact", []).append(
+        dict(case=name, ok=ok, set_ok=set_ok, order_ok=order_ok, bad_rows=bad_rows)
+    )
     return ok
 
 
@@ -157,8 +206,11 @@ def check_capture(variant):
     with torch.cuda.graph(g):
         fn()
     oks = []
-    for seed, new_lens, a in [(1, [65536, 100, 0, 2048, 2049, 40000, 65535, 30000], 65536),
-                              (2, [65536] * 8, 50000), (3, [5000] * 8, 4000)]:
+    for seed, new_lens, a in [
+        (1, [65536, 100, 0, 2048, 2049, 40000, 65535, 30000], 65536),
+        (2, [65536] * 8, 50000),
+        (3, [5000] * 8, 4000),
+    ]:
         x.copy_(make_logits("ties" if seed == 2 else "randn", rows, width, seed))
         lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
         act.fill_(a)
@@ -168,8 +220,11 @@ def check_capture(variant):
         want = ref.topk_indices(x, lens, K, active_width=act)
         eager = launch(x, lens, torch.empty_like(out), active=act, variant=variant)
         torch.cuda.synchronize()
-        oks.append(torch.equal(out.sort(1).values, want.sort(1).values) and torch.equal(out, eager)
-                   and torch.cuda.memory_allocated() == before)
+        oks.append(
+            torch.equal(out.sort(1).values, want.sort(1).values)
+            and torch.equal(out, eager)
+            and torch.cuda.memory_allocated() == before
+        )
     ok = all(oks)
     log(f"  {'ok  ' if ok else 'FAIL'} capture+replay with new data/lengths/active width {variant}: {oks}")
     RESULTS.setdefault("capture", []).append(dict(variant=list(variant), ok=ok, replays=oks))
@@ -194,24 +249,7 @@ def check_no_sync(variant):
 
 def timeit(calls, iters=20) -> float:
     """Median us per call: one graph of all ``calls``, replayed."""
-    for c in calls[:2]:
-        c()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for c in calls:
-            c()
-    g.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(iters):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        g.replay()
-        e.record()
-        torch.cuda.synchronize()
-        ts.append(s.elapsed_time(e) * 1000.0 / len(calls))
-    return statistics.median(ts)
+    return graph_replay_us(calls, iters)
 
 
 @guarded("time")
@@ -227,10 +265,12 @@ def time_shape(B, L, variants, ncalls):
     exact = [x[:, :L] for x in xs]  # row stride 128K: the same memory, exact host width L
     for v in variants:
         tag = f"{v[0]}x{v[1]}"
-        res[f"cuda_{tag}_us"] = timeit([lambda i=i, v=v: launch(exact[i % copies], lens, out, width=L, variant=v)
-                                        for i in range(ncalls)])
-        res[f"cuda_{tag}_wide_us"] = timeit([lambda i=i, v=v: launch(xs[i % copies], lens, out, width=WIDE, variant=v)
-                                             for i in range(ncalls)])
+        res[f"cuda_{tag}_us"] = timeit(
+            [lambda i=i, v=v: launch(exact[i % copies], lens, out, width=L, variant=v) for i in range(ncalls)]
+        )
+        res[f"cuda_{tag}_wide_us"] = timeit(
+            [lambda i=i, v=v: launch(xs[i % copies], lens, out, width=WIDE, variant=v) for i in range(ncalls)]
+        )
         got = launch(exact[0], lens, torch.empty_like(out), width=L, variant=v)
         want = torch.topk(exact[0], K, dim=1).indices.int()  # randn: no ties in practice
         res[f"cuda_{tag}_check"] = "ok" if torch.equal(got.sort(1).values, want.sort(1).values) else "differs"
@@ -241,12 +281,15 @@ def time_shape(B, L, variants, ncalls):
     try:
         ws = IndexerTopkWorkspace(B, K, 0, DEV)
         dense = [x[:, :L].contiguous() for x in xs[:2]]
-        res["triton_us"] = timeit([lambda i=i: tk.topk_indices(dense[i % 2], lens, K, workspace=ws, out=out)
-                                   for i in range(ncalls)])
+        res["triton_us"] = timeit(
+            [lambda i=i: tk.topk_indices(dense[i % 2], lens, K, workspace=ws, out=out) for i in range(ncalls)]
+        )
         res["triton_route"] = ws.route(B, L, 1, score=False).kind
     except Exception as exc:
         res["triton_error"] = f"{type(exc).__name__}: {exc}"
-    res["torch_topk_us"] = timeit([lambda i=i: torch.topk(exact[i % copies], K, dim=1) for i in range(min(ncalls, 8))])
+    res["torch_topk_us"] = timeit(
+        [lambda i=i: torch.topk(exact[i % copies], K, dim=1) for i in range(min(ncalls, 8))]
+    )
     coop, pers = PEERS.get((B, L), (None, None))
     peers = [p for p in (coop, pers) if p]
     res["best_peer_us"] = min(peers) if peers else None
@@ -268,8 +311,12 @@ def main() -> None:
         sys.exit(2)
     variants = [tuple(int(p) for p in s.split("x")) for s in a.variants.split(",")]
     ok, why = cuda_topk.status()
-    RESULTS["meta"] = dict(device=torch.cuda.get_device_name(0), torch=torch.__version__, status=why,
-                           capability=list(torch.cuda.get_device_capability()))
+    RESULTS["meta"] = dict(
+        device=torch.cuda.get_device_name(0),
+        torch=torch.__version__,
+        status=why,
+        capability=list(torch.cuda.get_device_capability()),
+    )
     log(json.dumps(RESULTS["meta"]))
     if not ok:
         log(f"cuda top-k unavailable: {why}")
@@ -303,13 +350,17 @@ def main() -> None:
             rows.append(r)
             log(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()}))
     RESULTS["timing"] = rows
-    hdr = f"{'B':>4} {'L':>7} {'cuda':>7} {'best':>7} {'wide/ex':>7} {'triton':>7} {'torch':>7} {'peer':>6} {'cuda/peer':>9}"
+    hdr = (f"{'B':>4} {'L':>7} {'cuda':>7} {'best':>7} {'wide/ex':>7} {'triton':>7} {'torch':>7} "
+           f"{'peer':>6} {'cuda/peer':>9}")
     log(hdr)
     for r in rows:
         f = lambda v, fmt="{:7.1f}": fmt.format(v) if isinstance(v, (int, float)) else f"{'-':>7}"  # noqa: E731
-        log(f"{r['B']:>4} {r['L']:>7} {f(r.get('cuda_us'))} {r.get('cuda_best', '-'):>7} "
-            f"{f(r.get('cuda_wide_over_exact'), '{:7.3f}')} {f(r.get('triton_us'))} {f(r.get('torch_topk_us'))} "
-            f"{f(r.get('best_peer_us'), '{:6.1f}')} {f(r.get('cuda_over_peer'), '{:9.2f}')}")
+        log(
+            f"{r['B']:>4} {r['L']:>7} {f(r.get('cuda_us'))} {r.get('cuda_best', '-'):>7} "
+            f"{f(r.get('cuda_wide_over_exact'), '{:7.3f}')} {f(r.get('triton_us'))} "
+            f"{f(r.get('torch_topk_us'))} "
+            f"{f(r.get('best_peer_us'), '{:6.1f}')} {f(r.get('cuda_over_peer'), '{:9.2f}')}"
+        )
     finish()
 
 

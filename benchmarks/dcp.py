@@ -31,7 +31,6 @@ CPU_SHAPES = "1x2048,4x1024"
 
 
 def _timer(device: str, iters: int):
-    import torch
 
     def time_graph(fn) -> float:
         """Median microseconds of one step: eager warm-up, capture, replays timed by events."""
@@ -43,27 +42,9 @@ def _timer(device: str, iters: int):
                 fn()
                 times.append((time.perf_counter() - t) * 1e6)
             return statistics.median(times)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        graph.replay()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(iters):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            graph.replay()
-            e.record()
-            e.synchronize()
-            times.append(s.elapsed_time(e) * 1e3)
-        del graph
-        return statistics.median(times)
+        from graph_timer import graph_replay_us
+
+        return graph_replay_us([fn], iters)
 
     return time_graph
 

@@ -35,8 +35,10 @@ from vllm_sparse_sync.decode_loop import VARIANT_NAMES, DecodeLoop, ModelShape, 
 from vllm_sparse_sync.table import text_table  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
-SEED_TABLE = ("seed (DS4, H200 pair, TP2): 117.77 tok/s with the .item() sync, 124.66 without (+5.8%); "
-              "GLM-5.2 B12X: 77.56 .item(), 72.43 broad active-width, 78.50 revert, 78.20 exact shadow")
+SEED_TABLE = (
+    "seed (DS4, H200 pair, TP2): 117.77 tok/s with the .item() sync, 124.66 without (+5.8%); "
+    "GLM-5.2 B12X: 77.56 .item(), 72.43 broad active-width, 78.50 revert, 78.20 exact shadow"
+)
 
 
 def ints(text: str) -> list[int]:
@@ -63,35 +65,72 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--layers", type=int, default=None, help="model layers (61: DeepSeek-V3.2; 78: GLM-5)")
-    ap.add_argument("--weight-mb", type=float, default=None,
-                    help="bf16 weights the stand-in reads per layer, MiB (default 512 on CUDA)")
+    ap.add_argument(
+        "--weight-mb",
+        type=float,
+        default=None,
+        help="bf16 weights the stand-in reads per layer, MiB (default 512 on CUDA)",
+    )
     ap.add_argument("--tokens", type=int, default=None, help="generated tokens per request (512)")
     ap.add_argument("--batches", type=ints, default=None, help="batch sizes (1,8)")
     ap.add_argument("--contexts", type=ints, default=None, help="context lengths (4096,65536)")
-    ap.add_argument("--host-us", type=float, default=None,
-                    help="other host work per step for the table, us (default 1000)")
-    ap.add_argument("--before", type=float, default=0.5,
-                    help="share of the host work done before the metadata build (0.5)")
+    ap.add_argument(
+        "--host-us",
+        type=float,
+        default=None,
+        help="other host work per step for the table, us (default 1000)",
+    )
+    ap.add_argument(
+        "--before",
+        type=float,
+        default=0.5,
+        help="share of the host work done before the metadata build (0.5)",
+    )
     ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds of the table")
-    ap.add_argument("--sweep-host-us", type=ints, default=None,
-                    help="host work per step for the sweep, us (0,1000,2000,4000,8000,12000); empty: none")
+    ap.add_argument(
+        "--sweep-host-us",
+        type=ints,
+        default=None,
+        help="host work per step for the sweep, us (0,1000,2000,4000,8000,12000); empty: none",
+    )
     ap.add_argument("--sweep-batch", type=int, default=1)
     ap.add_argument("--sweep-context", type=int, default=None, help="(65536)")
     ap.add_argument("--sweep-tokens", type=int, default=None, help="tokens per sweep run (128)")
     ap.add_argument("--max-model-len", type=int, default=None, help="(131072: the broad bound)")
     ap.add_argument("--variants", type=variants_arg, default=list(VARIANT_NAMES))
     ap.add_argument("--sync-steps", type=int, default=8, help="steps under the runtime-API counter")
-    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/decode_loop_<device>.json)")
+    ap.add_argument(
+        "--out", default=None, help="JSON path (default benchmarks/results/decode_loop_<device>.json)"
+    )
     ap.add_argument("--plot", default=None, help="PNG path (default beside the JSON)")
     args = ap.parse_args(argv)
     cuda = torch.device(args.device).type == "cuda"
     if cuda and not torch.cuda.is_available():
         ap.error(f"--device {args.device}: CUDA is not available here")
-    big = dict(layers=61, weight_mb=512.0, tokens=512, batches=[1, 8], contexts=[4096, 65536],
-               host_us=1000.0, sweep_host_us=[0, 1000, 2000, 4000, 8000, 12000], sweep_context=65536,
-               sweep_tokens=128, max_model_len=131072)
-    tiny = dict(layers=2, weight_mb=0.01, tokens=8, batches=[1, 2], contexts=[40, 100], host_us=100.0,
-                sweep_host_us=[0, 2000], sweep_context=100, sweep_tokens=4, max_model_len=256)
+    big = dict(
+        layers=61,
+        weight_mb=512.0,
+        tokens=512,
+        batches=[1, 8],
+        contexts=[4096, 65536],
+        host_us=1000.0,
+        sweep_host_us=[0, 1000, 2000, 4000, 8000, 12000],
+        sweep_context=65536,
+        sweep_tokens=128,
+        max_model_len=131072,
+    )
+    tiny = dict(
+        layers=2,
+        weight_mb=0.01,
+        tokens=8,
+        batches=[1, 2],
+        contexts=[40, 100],
+        host_us=100.0,
+        sweep_host_us=[0, 2000],
+        sweep_context=100,
+        sweep_tokens=4,
+        max_model_len=256,
+    )
     for key, value in (big if cuda else tiny).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -114,10 +153,17 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def layout_for(args, cuda: bool) -> IndexerLayout:
     if cuda:
-        return IndexerLayout(backend="b12x", page_size=64, topk=2048, num_heads=64, head_dim=128,
-                             max_model_len=args.max_model_len)
-    return IndexerLayout(backend="b12x", page_size=16, topk=16, num_heads=4, head_dim=32,
-                         max_model_len=args.max_model_len)
+        return IndexerLayout(
+            backend="b12x",
+            page_size=64,
+            topk=2048,
+            num_heads=64,
+            head_dim=128,
+            max_model_len=args.max_model_len,
+        )
+    return IndexerLayout(
+        backend="b12x", page_size=16, topk=16, num_heads=4, head_dim=32, max_model_len=args.max_model_len
+    )
 
 
 def median(xs):
@@ -127,15 +173,24 @@ def median(xs):
 def summarize(runs: list[dict], syncs: dict, ref_tokens) -> dict:
     """Median and spread over a variant's runs (one per round)."""
     tok = [r["tok_s"] for r in runs]
-    return dict(tok_s=median(tok), tok_s_min=min(tok), tok_s_max=max(tok),
-                tok_s_per_req=median([r["tok_s_per_req"] for r in runs]),
-                step_ms=median([r["step_ms"] for r in runs]), gpu_ms=median([r["gpu_ms"] for r in runs]),
-                host_us=median([r["host_us"] for r in runs]), build_us=median([r["build_us"] for r in runs]),
-                syncs_per_step=syncs, tokens_match=all(r["tokens_match"] for r in runs), rounds=len(runs))
+    return dict(
+        tok_s=median(tok),
+        tok_s_min=min(tok),
+        tok_s_max=max(tok),
+        tok_s_per_req=median([r["tok_s_per_req"] for r in runs]),
+        step_ms=median([r["step_ms"] for r in runs]),
+        gpu_ms=median([r["gpu_ms"] for r in runs]),
+        host_us=median([r["host_us"] for r in runs]),
+        build_us=median([r["build_us"] for r in runs]),
+        syncs_per_step=syncs,
+        tokens_match=all(r["tokens_match"] for r in runs),
+        rounds=len(runs),
+    )
 
 
-def run_config(loop: DecodeLoop, args, steps: int, host_us: float, rounds: int, ref: dict,
-               progress: str) -> dict[str, list[dict]]:
+def run_config(
+    loop: DecodeLoop, args, steps: int, host_us: float, rounds: int, ref: dict, progress: str
+) -> dict[str, list[dict]]:
     """Interleaved rounds of every variant; each run's summary with ``tokens_match`` against
     the reference tokens of ``exact`` (kept in ``ref`` per steps)."""
     out: dict[str, list[dict]] = {v: [] for v in args.variants}
@@ -148,9 +203,12 @@ def run_config(loop: DecodeLoop, args, steps: int, host_us: float, rounds: int, 
             s = st.summary()
             s["tokens_match"] = st.tokens == ref[key]
             out[v].append(s)
-            print(f"  {progress} round {r + 1}/{rounds} host {host_us:.0f} us  {v:16s} {s['tok_s']:9.2f} tok/s  "
-                  f"step {s['step_ms']:.3f} ms  gpu {s['gpu_ms']:.3f} ms  tokens "
-                  f"{'match' if s['tokens_match'] else 'DIFFER'}", flush=True)
+            print(
+                f"  {progress} round {r + 1}/{rounds} host {host_us:.0f} us  {v:16s} "
+                f"{s['tok_s']:9.2f} tok/s  step {s['step_ms']:.3f} ms  gpu {s['gpu_ms']:.3f} ms  tokens "
+                f"{'match' if s['tokens_match'] else 'DIFFER'}",
+                flush=True,
+            )
     return out
 
 
@@ -160,50 +218,82 @@ def sync_text(d: dict) -> str:
 
 
 def table(rows: list[dict], *, host_column: bool = False) -> str:
-    head = ["B", "context", *(["host work us"] if host_column else []), "variant", "tok/s", "tok/s/req", "spread", "step ms", "GPU ms", "host us",
-            "build us", "syncs/step", "tokens"]
+    head = [
+        "B",
+        "context",
+        *(["host work us"] if host_column else []),
+        "variant",
+        "tok/s",
+        "tok/s/req",
+        "spread",
+        "step ms",
+        "GPU ms",
+        "host us",
+        "build us",
+        "syncs/step",
+        "tokens",
+    ]
     body = []
     for r in rows:
         s = r["summary"]
         host = [f"{r['host_work_us']:.0f}"] if host_column else []
-        body.append([str(r["batch"]), str(r["context"]), *host, r["variant"], f"{s['tok_s']:.2f}",
-                     f"{s['tok_s_per_req']:.2f}", f"{s['tok_s_min']:.1f}-{s['tok_s_max']:.1f}",
-                     f"{s['step_ms']:.3f}", f"{s['gpu_ms']:.3f}", f"{s['host_us']:.0f}", f"{s['build_us']:.1f}",
-                     sync_text(s["syncs_per_step"]), "same" if s["tokens_match"] else "DIFFER"])
+        body.append(
+            [
+                str(r["batch"]),
+                str(r["context"]),
+                *host,
+                r["variant"],
+                f"{s['tok_s']:.2f}",
+                f"{s['tok_s_per_req']:.2f}",
+                f"{s['tok_s_min']:.1f}-{s['tok_s_max']:.1f}",
+                f"{s['step_ms']:.3f}",
+                f"{s['gpu_ms']:.3f}",
+                f"{s['host_us']:.0f}",
+                f"{s['build_us']:.1f}",
+                sync_text(s["syncs_per_step"]),
+                "same" if s["tokens_match"] else "DIFFER",
+            ]
+        )
     return "\n".join(text_table(head, body))
+
+
+def _target(name: str, ratio: float, floor: float) -> str:
+    return f"{name} = {ratio:.3f} (target >= {floor:g})  " + ("met" if ratio >= floor else "MISSED")
 
 
 def verdicts(rows: list[dict], args) -> list[str]:
     by = {(r["batch"], r["context"], r["variant"]): r["summary"] for r in rows}
     out = []
-    for (B, ctx) in sorted({(r["batch"], r["context"]) for r in rows}):
-        get = (lambda v: by.get((B, ctx, v)))
-        ex, leg, ide, br, bs = (get(v) for v in ("exact", "legacy", "ideal", "broad", "broad-sensitive"))
-        where = f"B={B} ctx={ctx}"
+    for B, ctx in sorted({(r["batch"], r["context"]) for r in rows}):
+        got = {v: by.get((B, ctx, v)) for v in VARIANT_NAMES}
+        ex, leg, ide, br, bs = (got[v] for v in ("exact", "legacy", "ideal", "broad", "broad-sensitive"))
+        where = f"B={B} ctx={ctx}: "
         if ex and leg:
             ratio = ex["tok_s"] / leg["tok_s"]
-            target = " (target >= 1.05)" if B == 1 else ""
-            ok = "" if B != 1 else ("  met" if ratio >= 1.05 else "  MISSED")
-            out.append(f"{where}: exact / legacy = {ratio:.3f}{target}{ok}")
+            out.append(where + (_target("exact / legacy", ratio, 1.05) if B == 1
+                                else f"exact / legacy = {ratio:.3f}"))
         if ex and ide:
-            ratio = ex["tok_s"] / ide["tok_s"]
-            out.append(f"{where}: exact / ideal = {ratio:.3f} (target >= 0.99){'  met' if ratio >= 0.99 else '  MISSED'}")
+            out.append(where + _target("exact / ideal", ex["tok_s"] / ide["tok_s"], 0.99))
         if br and ex:
-            ratio = br["tok_s"] / ex["tok_s"]
-            out.append(f"{where}: broad / exact = {ratio:.3f} (target >= 0.99){'  met' if ratio >= 0.99 else '  MISSED'}")
+            out.append(where + _target("broad / exact", br["tok_s"] / ex["tok_s"], 0.99))
         if bs and ex:
-            out.append(f"{where}: broad-sensitive / exact = {bs['tok_s'] / ex['tok_s']:.3f} (the bound-sensitive loss)")
+            loss = bs["tok_s"] / ex["tok_s"]
+            out.append(where + f"broad-sensitive / exact = {loss:.3f} (the bound-sensitive loss)")
         if ide:
             base = ide["syncs_per_step"].get("total", 0)
-            for v, s in ((n, get(n)) for n in ("exact", "broad", "broad-sensitive")):
+            for v in ("exact", "broad", "broad-sensitive"):
+                s = got[v]
                 if s and s["syncs_per_step"].get("total", 0) > base:
-                    out.append(f"{where}: {v} syncs {sync_text(s['syncs_per_step'])} per step > ideal's {base:g}  MISSED")
+                    syncs = sync_text(s["syncs_per_step"])
+                    out.append(where + f"{v} syncs {syncs} per step > ideal's {base:g}  MISSED")
             if leg:
                 extra = leg["syncs_per_step"].get("total", 0) - base
-                out.append(f"{where}: legacy syncs {extra:g} more per step than ideal "
-                           f"(target >= 1){'  met' if extra >= 1 else '  MISSED'}")
+                out.append(where + f"legacy syncs {extra:g} more per step than ideal (target >= 1)  "
+                           + ("met" if extra >= 1 else "MISSED"))
     differ = [f"{r['batch']}/{r['context']}/{r['variant']}" for r in rows if not r["summary"]["tokens_match"]]
-    out.append("token ids identical across variants: " + ("yes" if not differ else "NO: " + ", ".join(differ)))
+    out.append(
+        "token ids identical across variants: " + ("yes" if not differ else "NO: " + ", ".join(differ))
+    )
     return out
 
 
@@ -235,10 +325,15 @@ def main(argv=None) -> int:
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     lay = layout_for(args, cuda)
-    shape = ModelShape(num_layers=args.layers, weight_mb=args.weight_mb, vocab=min(4096, lay.num_heads * lay.head_dim))
+    shape = ModelShape(
+        num_layers=args.layers, weight_mb=args.weight_mb, vocab=min(4096, lay.num_heads * lay.head_dim)
+    )
     name = torch.cuda.get_device_name(device) if cuda else "cpu"
-    print(f"decode loop on {name}: {args.layers} layers, stand-in {args.weight_mb:g} MiB bf16 per layer, "
-          f"k={lay.topk}, max_model_len={lay.max_model_len}, variants {', '.join(args.variants)}", flush=True)
+    print(
+        f"decode loop on {name}: {args.layers} layers, stand-in {args.weight_mb:g} MiB bf16 per layer, "
+        f"k={lay.topk}, max_model_len={lay.max_model_len}, variants {', '.join(args.variants)}",
+        flush=True,
+    )
     t_start = time.perf_counter()
     rows, sweep = [], []
     configs = [(B, ctx) for B in args.batches for ctx in args.contexts]
@@ -250,25 +345,46 @@ def main(argv=None) -> int:
             loop.prepare(v)
         syncs = {v: loop.count_syncs(v, args.sync_steps) for v in args.variants}
         progress = f"[{i + 1}/{len(configs)}] B={B} ctx={ctx}"
-        print(f"{progress}: {loop.model.ffn} stand-in columns; syncs per step: "
-              + "; ".join(f"{v} {sync_text(s)}" for v, s in syncs.items()), flush=True)
+        print(
+            f"{progress}: {loop.model.ffn} stand-in columns; syncs per step: "
+            + "; ".join(f"{v} {sync_text(s)}" for v, s in syncs.items()),
+            flush=True,
+        )
         ref: dict = {}
         runs = run_config(loop, args, args.tokens, args.host_us, args.rounds, ref, progress)
         for v in args.variants:
-            rows.append(dict(batch=B, context=ctx, variant=v, host_work_us=args.host_us,
-                             summary=summarize(runs[v], syncs[v], ref), runs=runs[v]))
+            rows.append(
+                dict(
+                    batch=B,
+                    context=ctx,
+                    variant=v,
+                    host_work_us=args.host_us,
+                    summary=summarize(runs[v], syncs[v], ref),
+                    runs=runs[v],
+                )
+            )
         if is_sweep:
             for h in args.sweep_host_us:
                 runs = run_config(loop, args, args.sweep_tokens, h, 1, ref, progress + " sweep")
                 for v in args.variants:
-                    sweep.append(dict(batch=B, context=ctx, variant=v, host_work_us=h,
-                                      summary=summarize(runs[v], syncs[v], ref), runs=runs[v]))
+                    sweep.append(
+                        dict(
+                            batch=B,
+                            context=ctx,
+                            variant=v,
+                            host_work_us=h,
+                            summary=summarize(runs[v], syncs[v], ref),
+                            runs=runs[v],
+                        )
+                    )
         del loop
         if cuda:
             torch.cuda.empty_cache()
     print()
-    print(f"tokens per request: {args.tokens}; other host work per step: {args.host_us:g} us "
-          f"({args.before:.0%} before the build); median of {args.rounds} interleaved rounds")
+    print(
+        f"tokens per request: {args.tokens}; other host work per step: {args.host_us:g} us "
+        f"({args.before:.0%} before the build); median of {args.rounds} interleaved rounds"
+    )
     print(table(rows))
     if sweep:
         print(f"\nsweep: B={args.sweep_batch} ctx={args.sweep_context}, {args.sweep_tokens} tokens per run")
@@ -280,18 +396,35 @@ def main(argv=None) -> int:
     print(SEED_TABLE)
     elapsed = time.perf_counter() - t_start
     print(f"elapsed {elapsed:.0f} s")
-    result = dict(device=name, torch=torch.__version__, layers=args.layers, weight_mb=args.weight_mb,
-                  stand_in_columns=ffn_cols(lay, args.weight_mb), topk=lay.topk,
-                  max_model_len=lay.max_model_len, tokens=args.tokens, host_us=args.host_us,
-                  before=args.before, rounds=args.rounds, table=rows, sweep=sweep, verdicts=lines,
-                  elapsed_s=elapsed)
+    result = dict(
+        device=name,
+        torch=torch.__version__,
+        layers=args.layers,
+        weight_mb=args.weight_mb,
+        stand_in_columns=ffn_cols(lay, args.weight_mb),
+        topk=lay.topk,
+        max_model_len=lay.max_model_len,
+        tokens=args.tokens,
+        host_us=args.host_us,
+        before=args.before,
+        rounds=args.rounds,
+        table=rows,
+        sweep=sweep,
+        verdicts=lines,
+        elapsed_s=elapsed,
+    )
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     print(f"wrote {args.out}")
     if sweep:
-        print(plot(sweep, args.plot, f"{name}: B={args.sweep_batch}, context {args.sweep_context}, "
-                   f"{args.layers} layers"))
+        print(
+            plot(
+                sweep,
+                args.plot,
+                f"{name}: B={args.sweep_batch}, context {args.sweep_context}, {args.layers} layers",
+            )
+        )
     return 0
 
 

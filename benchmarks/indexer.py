@@ -22,7 +22,6 @@ import json
 import lzma
 import math
 import os
-import statistics
 import sys
 import tarfile
 import tempfile
@@ -31,6 +30,8 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+from graph_timer import graph_replay_us  # noqa: E402
 
 from vllm_sparse_sync.kernels import reference as ref  # noqa: E402
 from vllm_sparse_sync.kernels.config import (  # noqa: E402
@@ -58,33 +59,7 @@ def unfused_splits(B: int, L: int, config: KernelConfig) -> int:
 
 def timeit(make_call, ncalls: int, iters: int = 15) -> float:
     """Median microseconds per call: a graph of ``ncalls`` calls (call i uses input copy i), replayed."""
-    calls = [make_call(i) for i in range(ncalls)]
-    for c in calls[:3]:
-        c()
-    torch.cuda.synchronize()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for c in calls[:2]:
-            c()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for c in calls:
-            c()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        graph.replay()
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e) * 1000.0 / ncalls)
-    del graph
-    return statistics.median(times)
+    return graph_replay_us([make_call(i) for i in range(ncalls)], iters)
 
 
 def copy_tbs() -> float:
@@ -300,7 +275,8 @@ def derive(res: dict, bw: float) -> dict:
 COLS = [("B", "{}"), ("L", "{}"), ("route", "{}"), ("scorer_us", "{:.1f}"), ("topk_us", "{:.1f}"),
         ("step_us", "{:.1f}"), ("step_unfused_us", "{:.1f}"),
         ("scorer_tbs", "{:.2f}"), ("scorer_pct_copy", "{:.0f}"), ("wide_over_exact", "{:.3f}"),
-        ("scorer_fp8_us", "{:.1f}"), ("step_fp8_us", "{:.1f}"), ("topk_sample_us", "{:.1f}"), ("topk_cuda_radix_us", "{:.1f}"),
+        ("scorer_fp8_us", "{:.1f}"), ("step_fp8_us", "{:.1f}"), ("topk_sample_us", "{:.1f}"),
+        ("topk_cuda_radix_us", "{:.1f}"),
         ("step_sample_us", "{:.1f}"), ("topk_radix_us", "{:.1f}"), ("step_radix_us", "{:.1f}"),
         ("torch_topk_us", "{:.1f}"), ("deepgemm_us", "{:.1f}"), ("vllm_persistent_topk_us", "{:.1f}"),
         ("vllm_cooperative_topk_us", "{:.1f}"), ("best_peer_step_us", "{:.1f}"),

@@ -21,8 +21,9 @@ def _same_sets(got, want):
 
 
 def test_order_keys_match_the_sortable_keys():
-    vals = torch.tensor([float("-inf"), -3.5, -1e-30, -0.0, 0.0, 1e-30, 2.0, float("inf"),
-                         float("nan"), -float("nan")])
+    vals = torch.tensor(
+        [float("-inf"), -3.5, -1e-30, -0.0, 0.0, 1e-30, 2.0, float("inf"), float("nan"), -float("nan")]
+    )
     u = emu.order_keys(vals)
     s = ref.sortable_keys(vals).long()
     assert torch.equal(u, (s + 2**31) & 0xFFFFFFFF)  # the int32 order, shifted to unsigned
@@ -59,8 +60,10 @@ def rows_case(draw):
         x = torch.arange(rows * width, dtype=torch.float32).reshape(rows, width)
         if draw(st.booleans()):
             x = -x
-    lens = torch.tensor(draw(st.lists(st.integers(-3, width + 50), min_size=rows, max_size=rows)),
-                        dtype=draw(st.sampled_from([torch.int32, torch.int64])))
+    lens = torch.tensor(
+        draw(st.lists(st.integers(-3, width + 50), min_size=rows, max_size=rows)),
+        dtype=draw(st.sampled_from([torch.int32, torch.int64])),
+    )
     active = None
     if draw(st.booleans()):
         active = torch.tensor([draw(st.integers(-1, width + 10))], dtype=torch.int32)
@@ -93,7 +96,9 @@ def test_emulation_is_deterministic_and_storage_blind():
     gen = torch.Generator().manual_seed(0)
     x = torch.randint(0, 3, (3, 5000), generator=gen).float()
     lens = torch.tensor([5000, 4000, 100])
-    outs = [emu.topk_indices(x, lens, 2048, tile=t, cap=c) for t, c in [(16384, 8192), (1024, 8192), (1024, 0)]]
+    outs = [
+        emu.topk_indices(x, lens, 2048, tile=t, cap=c) for t, c in [(16384, 8192), (1024, 8192), (1024, 0)]
+    ]
     assert all(torch.equal(outs[0], o) for o in outs[1:])
 
 

@@ -8,7 +8,6 @@ import os
 import sys
 
 import pytest
-import torch
 
 from vllm_sparse_sync import IndexerLayout
 from vllm_sparse_sync.decode_loop import VARIANT_NAMES, DecodeLoop, ModelShape, ffn_width, variant_named
@@ -46,6 +45,7 @@ def test_a_different_top_k_set_changes_the_tokens(loop):
             out = fn(layer, q, w)
             out[0, 0] = (out[0, 0] + 1) % 40
             return out
+
         return run
 
     planted.indexer = wrong
@@ -71,8 +71,14 @@ def test_bad_arguments_are_refused(loop):
     with pytest.raises(ValueError, match="max_model_len"):
         DecodeLoop(LAYOUT, SHAPE, batch=1, context=250, max_steps=8, device="cpu")
     with pytest.raises(ValueError, match="vocab"):
-        DecodeLoop(LAYOUT, ModelShape(num_layers=1, weight_mb=0.01, vocab=1000), batch=1, context=40,
-                   max_steps=2, device="cpu")
+        DecodeLoop(
+            LAYOUT,
+            ModelShape(num_layers=1, weight_mb=0.01, vocab=1000),
+            batch=1,
+            context=40,
+            max_steps=2,
+            device="cpu",
+        )
     with pytest.raises(ValueError, match="num_layers"):
         ModelShape(num_layers=0)
 
@@ -89,9 +95,33 @@ def test_the_benchmark_script_runs_and_writes_its_json(tmp_path, capsys):
     finally:
         sys.path.pop(0)
     out = tmp_path / "loop.json"
-    assert bench.main(["--device", "cpu", "--tokens", "4", "--batches", "1", "--contexts", "40",
-                       "--sweep-context", "40", "--sweep-host-us", "0,100", "--sweep-tokens", "3",
-                       "--rounds", "1", "--sync-steps", "2", "--out", str(out)]) == 0
+    assert (
+        bench.main(
+            [
+                "--device",
+                "cpu",
+                "--tokens",
+                "4",
+                "--batches",
+                "1",
+                "--contexts",
+                "40",
+                "--sweep-context",
+                "40",
+                "--sweep-host-us",
+                "0,100",
+                "--sweep-tokens",
+                "3",
+                "--rounds",
+                "1",
+                "--sync-steps",
+                "2",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     data = json.loads(out.read_text())
     assert {r["variant"] for r in data["table"]} == set(VARIANT_NAMES)

@@ -124,7 +124,8 @@ def test_cuda_radix_route_where_the_device_can_run_it():
     from vllm_sparse_sync.kernels.route import CUDA_RADIX
 
     h200_nvrtc = DeviceInfo(num_sms=132, cuda_topk=True)
-    assert plan_route(64, K64, 64, h200_nvrtc, CUDA_CFG) == Route(CUDA_RADIX, 64, score_splits=8, topk_chunks=1)
+    want = Route(CUDA_RADIX, 64, score_splits=8, topk_chunks=1)
+    assert plan_route(64, K64, 64, h200_nvrtc, CUDA_CFG) == want
     assert plan_route(1, 4096, 64, h200_nvrtc, CUDA_CFG, score=False) == Route(CUDA_RADIX, 1, topk_chunks=1)
     # small scored calls still fuse; the CUDA top-k serves the unfused and top-k-only calls
     assert plan_route(1, 4096, 64, h200_nvrtc, CUDA_CFG).kind == FUSED

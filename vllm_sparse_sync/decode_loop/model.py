@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels.reference import FP8_DTYPE, page_bytes
 from ..kernels import write_index_k_cache
+from ..kernels.reference import FP8_DTYPE, page_bytes
 from ..kernels.synth import random_k_cache
 from ..layout import IndexerLayout
 
@@ -61,8 +61,16 @@ class SyntheticModel:
     ``max_steps`` more; each step writes its token's key into every layer's cache.
     """
 
-    def __init__(self, layout: IndexerLayout, shape: ModelShape, *, start_lens: Sequence[int],
-                 max_steps: int, device: torch.device | str, seed: int = 0) -> None:
+    def __init__(
+        self,
+        layout: IndexerLayout,
+        shape: ModelShape,
+        *,
+        start_lens: Sequence[int],
+        max_steps: int,
+        device: torch.device | str,
+        seed: int = 0,
+    ) -> None:
         if not isinstance(layout, IndexerLayout):
             raise TypeError(f"layout: must be an IndexerLayout, got {type(layout).__name__}")
         if layout.compress_ratio != 1 or layout.uses_dcp:
@@ -73,15 +81,18 @@ class SyntheticModel:
         batch = len(start_lens)
         max_len = max(start_lens) + max_steps
         if min(start_lens) <= 0 or max_len > layout.max_model_len:
-            raise ValueError(f"start_lens + max_steps: must lie in (0, max_model_len={layout.max_model_len}], "
-                             f"got up to {max_len}")
+            raise ValueError(
+                f"start_lens + max_steps: must lie in (0, max_model_len={layout.max_model_len}], "
+                f"got up to {max_len}"
+            )
         self.layout, self.shape, self.batch = layout, shape, batch
         self.device = torch.device(device)
         self.hidden = hidden
         self.ffn = ffn_width(hidden, shape.weight_mb)
         gen = torch.Generator(device=self.device).manual_seed(seed)
-        self.weight = (torch.randn(hidden, self.ffn, generator=gen, device=self.device)
-                       * hidden ** -0.5).to(torch.bfloat16)
+        self.weight = (torch.randn(hidden, self.ffn, generator=gen, device=self.device) * hidden**-0.5).to(
+            torch.bfloat16
+        )
         self.embed = torch.randn(shape.vocab, hidden, generator=gen, device=self.device).to(torch.bfloat16)
         page = layout.page_size
         self.live_pages = math.ceil(max_len / page)
@@ -99,10 +110,12 @@ class SyntheticModel:
         live = table[:, : self.live_pages].reshape(-1).to(self.device)
         self.k_caches = []
         for _ in range(shape.num_layers):
-            cache = torch.zeros(num_pages, page_bytes(page, layout.head_dim), dtype=torch.uint8,
-                                device=self.device)
-            cache[live] = random_k_cache(live.numel(), page, layout.head_dim, device=self.device,
-                                         generator=gen)  # the future slots: zeroed by reset()
+            cache = torch.zeros(
+                num_pages, page_bytes(page, layout.head_dim), dtype=torch.uint8, device=self.device
+            )
+            cache[live] = random_k_cache(
+                live.numel(), page, layout.head_dim, device=self.device, generator=gen
+            )  # the future slots: zeroed by reset()
             self.k_caches.append(cache)
         end = self.live_pages * page
         pos = torch.cat([torch.arange(n, end) for n in start_lens])
@@ -134,8 +147,9 @@ class SyntheticModel:
         h = self.embed.index_select(0, self.tokens)
         acc = torch.zeros(B, dtype=torch.int64, device=self.device)
         for layer in range(self.shape.num_layers):
-            write_index_k_cache(self.k_caches[layer], h[:, : lay.head_dim].to(FP8_DTYPE),
-                                self._unit_scales, slots)
+            write_index_k_cache(
+                self.k_caches[layer], h[:, : lay.head_dim].to(FP8_DTYPE), self._unit_scales, slots
+            )
             q = h.view(B, lay.num_heads, lay.head_dim).to(FP8_DTYPE)
             w = h[:, : lay.num_heads].float().abs()  # non-negative: live scores >= 0
             picked = indexer(layer, q, w)

@@ -45,16 +45,25 @@ class Variant:
 
 
 VARIANTS: tuple[Variant, ...] = (
-    Variant("legacy", "builder with legacy_device_sync=True: int(seq_lens.max().item()) per step",
-            legacy_sync=True),
-    Variant("broad", "sync-free, graph-stable broad bound (max_model_len), our live-length kernels",
-            exact_shadow=False),
-    Variant("broad-sensitive", "sync-free, broad bound, kernels forced to the bound width "
-            "(cost follows the host bound, as the seed's B12X scorer)", exact_shadow=False,
-            bound_sensitive=True),
+    Variant(
+        "legacy",
+        "builder with legacy_device_sync=True: int(seq_lens.max().item()) per step",
+        legacy_sync=True,
+    ),
+    Variant(
+        "broad",
+        "sync-free, graph-stable broad bound (max_model_len), our live-length kernels",
+        exact_shadow=False,
+    ),
+    Variant(
+        "broad-sensitive",
+        "sync-free, broad bound, kernels forced to the bound width "
+        "(cost follows the host bound, as the seed's B12X scorer)",
+        exact_shadow=False,
+        bound_sensitive=True,
+    ),
     Variant("exact", "sync-free, exact bound from the CPU shadow (the seed's fix)"),
-    Variant("ideal", "no indexer metadata work: the kernels read the device lengths (ceiling)",
-            builds=False),
+    Variant("ideal", "no indexer metadata work: the kernels read the device lengths (ceiling)", builds=False),
 )
 VARIANT_NAMES = tuple(v.name for v in VARIANTS)
 
@@ -101,21 +110,39 @@ class RunStats:
         return self.steps / self.wall_s
 
     def summary(self) -> dict:
-        med = (lambda xs: statistics.median(xs) if xs else float("nan"))
-        return dict(variant=self.variant, batch=self.batch, steps=self.steps,
-                    host_work_us=self.host_us_setting, wall_s=self.wall_s, tok_s=self.tok_per_s,
-                    tok_s_per_req=self.tok_per_s_per_req, step_ms=med(self.step_ms),
-                    gpu_ms=med(self.gpu_ms), host_us=med(self.host_us), build_us=med(self.build_us),
-                    wait_us=med(self.wait_us))
+        med = lambda xs: statistics.median(xs) if xs else float("nan")
+        return dict(
+            variant=self.variant,
+            batch=self.batch,
+            steps=self.steps,
+            host_work_us=self.host_us_setting,
+            wall_s=self.wall_s,
+            tok_s=self.tok_per_s,
+            tok_s_per_req=self.tok_per_s_per_req,
+            step_ms=med(self.step_ms),
+            gpu_ms=med(self.gpu_ms),
+            host_us=med(self.host_us),
+            build_us=med(self.build_us),
+            wait_us=med(self.wait_us),
+        )
 
 
 class DecodeLoop:
     """A batch of ``batch`` requests at ``context`` tokens decoding up to ``max_steps`` tokens
     each, under every variant (graphs captured per variant on CUDA; eager elsewhere)."""
 
-    def __init__(self, layout: IndexerLayout, shape: ModelShape, *, batch: int, context: int,
-                 max_steps: int, device: torch.device | str, variants: Sequence[Variant] = VARIANTS,
-                 seed: int = 0) -> None:
+    def __init__(
+        self,
+        layout: IndexerLayout,
+        shape: ModelShape,
+        *,
+        batch: int,
+        context: int,
+        max_steps: int,
+        device: torch.device | str,
+        variants: Sequence[Variant] = VARIANTS,
+        seed: int = 0,
+    ) -> None:
         for name, v in (("batch", batch), ("context", context), ("max_steps", max_steps)):
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"{name}: must be a positive int, got {v!r}")
@@ -126,10 +153,17 @@ class DecodeLoop:
         if max_len > layout.max_model_len:
             raise ValueError(f"context + max_steps = {max_len} exceeds max_model_len={layout.max_model_len}")
         # request i starts a little shorter than the context, so rows differ
-        self.start_lens = np.array([context - (i * 97) % max(1, min(512, context // 2))
-                                    for i in range(batch)], dtype=np.int32)
-        self.model = SyntheticModel(layout, shape, start_lens=self.start_lens.tolist(), max_steps=max_steps,
-                                    device=self.device, seed=seed)
+        self.start_lens = np.array(
+            [context - (i * 97) % max(1, min(512, context // 2)) for i in range(batch)], dtype=np.int32
+        )
+        self.model = SyntheticModel(
+            layout,
+            shape,
+            start_lens=self.start_lens.tolist(),
+            max_steps=max_steps,
+            device=self.device,
+            seed=seed,
+        )
         self.qsl_cpu = torch.arange(batch + 1, dtype=torch.int32)
         self.qsl = self.qsl_cpu.to(self.device, copy=True)
         self.seq_lens = torch.zeros(batch, dtype=torch.int32, device=self.device)
@@ -142,8 +176,9 @@ class DecodeLoop:
         self._metas: dict[str, IndexerDecodeMetadata] = {}
         self._outs: dict[str, torch.Tensor] = {}
         self._graphs: dict[str, object] = {}
-        self._static_width = torch.full((1,), self.model.table_pages * layout.page_size, dtype=torch.int32,
-                                        device=self.device)
+        self._static_width = torch.full(
+            (1,), self.model.table_pages * layout.page_size, dtype=torch.int32, device=self.device
+        )
 
     # ------------------------------------------------------------------ host side
     def _shadow_batch(self, v: Variant, lens: np.ndarray) -> DecodeBatch:
@@ -158,17 +193,23 @@ class DecodeLoop:
     def _builder(self, v: Variant) -> IndexerMetadataBuilder:
         if v.name not in self._builders:
             self._builders[v.name] = IndexerMetadataBuilder(
-                self.layout, max_num_reqs=self.batch, max_num_tokens=self.batch,
-                max_pages_per_req=self.model.table_pages, device=self.device,
-                legacy_device_sync=v.legacy_sync)
+                self.layout,
+                max_num_reqs=self.batch,
+                max_num_tokens=self.batch,
+                max_pages_per_req=self.model.table_pages,
+                device=self.device,
+                legacy_device_sync=v.legacy_sync,
+            )
         return self._builders[v.name]
 
     def _step(self, v: Variant) -> IndexerStep:
         if v.name not in self._steps:
-            self._steps[v.name] = IndexerStep(self.layout, max_rows=self.batch,
-                                              max_pages_per_req=self.model.table_pages, device=self.device)
-            self._outs[v.name] = torch.empty(self.batch, self.layout.topk, dtype=torch.int32,
-                                             device=self.device)
+            self._steps[v.name] = IndexerStep(
+                self.layout, max_rows=self.batch, max_pages_per_req=self.model.table_pages, device=self.device
+            )
+            self._outs[v.name] = torch.empty(
+                self.batch, self.layout.topk, dtype=torch.int32, device=self.device
+            )
         return self._steps[v.name]
 
     def _prepare_inputs(self, v: Variant, lens: np.ndarray, slot: int) -> float:
@@ -189,24 +230,47 @@ class DecodeLoop:
         bt = self.model.block_table
         width = self.model.table_pages * lay.page_size
         if not v.builds:
+
             def run(layer, q, w):
-                return kernels.indexer_topk(q, w, self.model.k_caches[layer], bt, self.seq_lens, lay.topk,
-                                            active_width=self._static_width, width=width,
-                                            workspace=step.workspace, out=out)
+                return kernels.indexer_topk(
+                    q,
+                    w,
+                    self.model.k_caches[layer],
+                    bt,
+                    self.seq_lens,
+                    lay.topk,
+                    active_width=self._static_width,
+                    width=width,
+                    workspace=step.workspace,
+                    out=out,
+                )
+
             return run
         meta = self._metas[v.name]
         if not v.bound_sensitive:
+
             def run(layer, q, w):
                 return step.run(meta, q, w, self.model.k_caches[layer], out=out)
+
             return run
 
         def run(layer, q, w):
             # every row as long as the host bound: the cost follows the bound, not the rows
             wide = meta.active_width.expand(self.batch).contiguous()
-            kernels.indexer_topk(q, w, self.model.k_caches[layer], meta.block_table, wide, lay.topk,
-                                 active_width=meta.active_width, width=width, workspace=step.workspace,
-                                 out=out)
+            kernels.indexer_topk(
+                q,
+                w,
+                self.model.k_caches[layer],
+                meta.block_table,
+                wide,
+                lay.topk,
+                active_width=meta.active_width,
+                width=width,
+                workspace=step.workspace,
+                out=out,
+            )
             return out.masked_fill_(out >= meta.row_lens.unsqueeze(1), -1)  # rows shorter than k
+
         return run
 
     def prepare(self, name: str) -> None:
@@ -240,8 +304,16 @@ class DecodeLoop:
             g()
 
     # --------------------------------------------------------------------- the loop
-    def run(self, name: str, steps: int, host_us: float = 0.0, *, before: float = 0.5,
-            check=None, timed: bool = True) -> RunStats:
+    def run(
+        self,
+        name: str,
+        steps: int,
+        host_us: float = 0.0,
+        *,
+        before: float = 0.5,
+        check=None,
+        timed: bool = True,
+    ) -> RunStats:
         """``steps`` decode steps of variant ``name`` with ``host_us`` of other host work per
         step (``before`` of it ahead of the build). ``check``: a running ``SyncCheck`` (CPU:
         the reference kernels run unchecked, their outputs marked). ``timed=False``: no GPU
@@ -254,8 +326,14 @@ class DecodeLoop:
         self.prepare(name)
         self.model.reset()
         lens = self.start_lens.copy()
-        timing = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                  for _ in range(steps)] if self.cuda and timed else []
+        timing = (
+            [
+                (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                for _ in range(steps)
+            ]
+            if self.cuda and timed
+            else []
+        )
         step_ms, host, build, wait, tokens = [], [], [], [], []
         if timing:
             torch.cuda.synchronize(self.device)
@@ -313,10 +391,10 @@ class DecodeLoop:
 
         self.prepare(name)
         layers = "runtime_api" if self.cuda else "sentinel"
-        with sync_recorder(watch=() if self.cuda else self.watch(), layers=layers,
-                           where=f"decode loop: {name}") as rec:
+        with sync_recorder(
+            watch=() if self.cuda else self.watch(), layers=layers, where=f"decode loop: {name}"
+        ) as rec:
             self.run(name, steps, check=None if self.cuda else rec, timed=False)
         per_step = {kind: n / steps for kind, n in rec.counts.items()}
         per_step["total"] = sum(rec.counts.values()) / steps
         return per_step
-

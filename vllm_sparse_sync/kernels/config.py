@@ -11,6 +11,10 @@ from dataclasses import asdict, dataclass, field, fields, replace
 TOPK_ALGOS = ("auto", "radix", "sample", "cuda_radix")
 
 
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 def _pow2(name: str, v: object) -> None:
     if isinstance(v, bool) or not isinstance(v, int) or v <= 0 or v & (v - 1):
         raise ValueError(f"{name}: must be a power of two, got {v!r}")
@@ -95,9 +99,9 @@ class TopkConfig:
         if (self.cuda_threads, self.cuda_vec) not in ((1024, 4), (1024, 2), (512, 4), (512, 8)):
             raise ValueError("topk.cuda_threads/cuda_vec: one of (1024, 4), (1024, 2), (512, 4), (512, 8), "
                              f"got {(self.cuda_threads, self.cuda_vec)!r}")
-        if isinstance(self.cuda_min_rows, bool) or not isinstance(self.cuda_min_rows, int) or self.cuda_min_rows < 0:
+        if not _is_int(self.cuda_min_rows) or self.cuda_min_rows < 0:
             raise ValueError(f"topk.cuda_min_rows: an int >= 0 (0: never), got {self.cuda_min_rows!r}")
-        if isinstance(self.cuda_cap, bool) or not isinstance(self.cuda_cap, int) or not 0 <= self.cuda_cap <= 53248:
+        if not _is_int(self.cuda_cap) or not 0 <= self.cuda_cap <= 53248:
             raise ValueError(f"topk.cuda_cap: an int in [0, 53248] (shared memory), got {self.cuda_cap!r}")
         if isinstance(self.sample_above, bool) or not isinstance(self.sample_above, int) \
                 or self.sample_above < 0:

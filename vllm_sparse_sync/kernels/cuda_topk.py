@@ -94,7 +94,9 @@ def _check(result, what: str):
     return values[0] if len(values) == 1 else tuple(values)
 
 
-def compile_source(arch: str, *, output: str = "cubin", extra_options: tuple[str, ...] = ()) -> tuple[bytes, str]:
+def compile_source(
+    arch: str, *, output: str = "cubin", extra_options: tuple[str, ...] = ()
+) -> tuple[bytes, str]:
     """NVRTC-compile ``cuda_topk.cu`` for ``arch`` (e.g. ``"sm_90"``): ``(ptx or cubin bytes, log)``.
 
     Needs no GPU. ``output="ptx"`` compiles for the virtual ``compute_XX`` arch.
@@ -104,10 +106,11 @@ def compile_source(arch: str, *, output: str = "cubin", extra_options: tuple[str
         raise ValueError(f"output: 'ptx' or 'cubin', got {output!r}")
     num = arch.split("_", 1)[1]
     target = f"compute_{num}" if output == "ptx" else f"sm_{num}"
-    prog = _check(nvrtc.nvrtcCreateProgram(source().encode(), b"cuda_topk.cu", 0, [], []), "nvrtcCreateProgram")
+    prog = _check(
+        nvrtc.nvrtcCreateProgram(source().encode(), b"cuda_topk.cu", 0, [], []), "nvrtcCreateProgram"
+    )
     try:
-        opts = [f"--gpu-architecture={target}".encode(), b"-std=c++17",
-                *(o.encode() for o in extra_options)]
+        opts = [f"--gpu-architecture={target}".encode(), b"-std=c++17", *(o.encode() for o in extra_options)]
         (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
         size = _check(nvrtc.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
         log = b" " * size
@@ -150,7 +153,9 @@ class _Module:
     def function(self, name: str, smem: int):
         fn = self.functions.get(name)
         if fn is None:
-            fn = _check(self.driver.cuModuleGetFunction(self.module, name.encode()), f"cuModuleGetFunction({name})")
+            fn = _check(
+                self.driver.cuModuleGetFunction(self.module, name.encode()), f"cuModuleGetFunction({name})"
+            )
             self.functions[name] = fn
         if smem > _STATIC_SMEM_LIMIT and self.smem_set.get(name, 0) < smem:
             attr = self.driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
@@ -181,7 +186,9 @@ def module_for(device: torch.device | str | int) -> _Module:
     return mod
 
 
-def warmup(device: torch.device | str | int = "cuda", threads: int = 1024, vec: int = 4, cap: int = 8192) -> None:
+def warmup(
+    device: torch.device | str | int = "cuda", threads: int = 1024, vec: int = 4, cap: int = 8192
+) -> None:
     """Compile, load and fetch the kernels outside capture."""
     mod = module_for(device)
     smem = smem_bytes(cap)
@@ -202,9 +209,20 @@ def _int_dtype_flag(t: torch.Tensor, name: str) -> int:
     raise ValueError(f"{name}: must be int32 or int64 for the CUDA top-k, got {t.dtype}")
 
 
-def launch_cuda_topk(x: torch.Tensor, stride_r: int, row_lens: torch.Tensor, active: torch.Tensor | None,
-                     out: torch.Tensor, k: int, sel_width: int, *, nan_low: bool = True,
-                     threads: int = 1024, vec: int = 4, cap: int = 8192) -> None:
+def launch_cuda_topk(
+    x: torch.Tensor,
+    stride_r: int,
+    row_lens: torch.Tensor,
+    active: torch.Tensor | None,
+    out: torch.Tensor,
+    k: int,
+    sel_width: int,
+    *,
+    nan_low: bool = True,
+    threads: int = 1024,
+    vec: int = 4,
+    cap: int = 8192,
+) -> None:
     """One CTA per row of ``out``: the top-``k`` positions of ``x[r, :len_r]`` into ``out[r]``.
 
     ``len_r = min(row_lens[r], sel_width, active[0])`` is read on the device. Host work: pointer
@@ -215,7 +233,11 @@ def launch_cuda_topk(x: torch.Tensor, stride_r: int, row_lens: torch.Tensor, act
         return
     if not (0 <= sel_width < 2**31) or not (0 < k < 2**31):
         raise ValueError(f"cuda top-k: sel_width {sel_width} and k {k} must fit int32")
-    if row_lens.device != x.device or out.device != x.device or (active is not None and active.device != x.device):
+    if (
+        row_lens.device != x.device
+        or out.device != x.device
+        or (active is not None and active.device != x.device)
+    ):
         raise ValueError("cuda top-k: logits, row_lens, active_width and out must share one device")
     if row_lens.dim() != 1 or (row_lens.numel() > 1 and row_lens.stride(0) != 1):
         raise ValueError("cuda top-k: row_lens must be 1-D and contiguous")
@@ -232,15 +254,25 @@ def launch_cuda_topk(x: torch.Tensor, stride_r: int, row_lens: torch.Tensor, act
     else:
         active64, active_ptr = 0, 0
     values = (
-        ctypes.c_void_p(x.data_ptr()), ctypes.c_longlong(stride_r),
-        ctypes.c_void_p(row_lens.data_ptr()), ctypes.c_int(lens64),
-        ctypes.c_void_p(active_ptr), ctypes.c_int(active64),
-        ctypes.c_int(sel_width), ctypes.c_int(k),
-        ctypes.c_void_p(out.data_ptr()), ctypes.c_longlong(out.stride(0)),
-        ctypes.c_int(1 if nan_low else 0), ctypes.c_int(cap),
+        ctypes.c_void_p(x.data_ptr()),
+        ctypes.c_longlong(stride_r),
+        ctypes.c_void_p(row_lens.data_ptr()),
+        ctypes.c_int(lens64),
+        ctypes.c_void_p(active_ptr),
+        ctypes.c_int(active64),
+        ctypes.c_int(sel_width),
+        ctypes.c_int(k),
+        ctypes.c_void_p(out.data_ptr()),
+        ctypes.c_longlong(out.stride(0)),
+        ctypes.c_int(1 if nan_low else 0),
+        ctypes.c_int(cap),
     )
     params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
     stream = torch.cuda.current_stream(x.device).cuda_stream
     _check(driver.cuCtxSetCurrent(mod.ctx), "cuCtxSetCurrent")
-    _check(driver.cuLaunchKernel(fn, rows, 1, 1, threads, 1, 1, smem, driver.CUstream(stream),
-                                 ctypes.addressof(params), 0), "cuLaunchKernel")
+    _check(
+        driver.cuLaunchKernel(
+            fn, rows, 1, 1, threads, 1, 1, smem, driver.CUstream(stream), ctypes.addressof(params), 0
+        ),
+        "cuLaunchKernel",
+    )

@@ -66,13 +66,15 @@ def plan_row(u: torch.Tensor, k: int, *, tile: int = 16384, cap: int = 8192) -> 
             break
         pshift = shift + width
         sel = u[(u >> pshift) == prefix]
-        d, need, cnt = _find_bin(torch.bincount((sel >> shift) & ((1 << width) - 1), minlength=1 << width), need)
+        hist = torch.bincount((sel >> shift) & ((1 << width) - 1), minlength=1 << width)
+        d, need, cnt = _find_bin(hist, need)
         prefix = (prefix << width) | d
         bits += width
     return RowPlan(prefix, bits, need, mode)
 
 
-def topk_row(x: torch.Tensor, k: int, *, nan_low: bool = True, tile: int = 16384, cap: int = 8192) -> torch.Tensor:
+def topk_row(x: torch.Tensor, k: int, *, nan_low: bool = True, tile: int = 16384,
+             cap: int = 8192) -> torch.Tensor:
     """The kernel's output row (int32 [k]) for the live scores ``x`` (length n)."""
     n = x.numel()
     out = torch.full((k,), -1, dtype=torch.int32)
