@@ -380,10 +380,14 @@ def test_nan_scores_from_the_scorer_rank_below_every_number(algo):
 
 
 def _tie_case(lens, table_pages, seed):
-    """Scores from few integer-valued levels (exact in fp32): many ties at every row's k-th key."""
+    """Scores from few integer-valued levels (exact in fp32): many ties at the k-th key. Row ``r``
+    weighs its first 4, 2 or 1 heads (by ``seed + r``) with integers in [-2, 2], the others 0."""
     case = make_case(lens, heads=16, table_pages=table_pages, ties=True, seed=seed)
     g = torch.Generator().manual_seed(seed)
-    case.weights.copy_(torch.randint(-2, 3, tuple(case.weights.shape), generator=g).float())
+    w = torch.randint(-2, 3, tuple(case.weights.shape), generator=g).float()
+    for r in range(len(lens)):
+        w[r, (4, 2, 1)[(seed + r) % 3]:] = 0
+    case.weights.copy_(w)
     return case
 
 
