@@ -409,11 +409,11 @@ def _split_ties(logits, lens, k):
     # 2 rows on 6 slots: 3 parts of up to 4 tiles; lengths near k and at page multiples
     (3, [41, 640], 12),
     (3, [257, 129], 12),
-    # 1 row on 4 slots: 3 parts of up to 4 tiles; 4 or 5 live tiles leave a part idle
+    # 1 row on 4 slots: 3 parts of up to 4 tiles; 4 live tiles (chunks of 2) leave a part idle
     (2, [256], 10),
     (2, [300], 10),
     (2, [640], 10),
-    # 4 rows on 16 slots: 4 parts of up to 4 tiles
+    # 4 rows on 16 slots: 4 parts of up to 4 tiles; 2 and 7 live tiles: idle or short parts
     (8, [65, 400, 512, 1000], 16),
 ])
 def test_fused_step_gives_threshold_ties_to_the_lowest_positions(num_sms, rows_lens, pages):
@@ -431,3 +431,13 @@ def test_fused_step_gives_threshold_ties_to_the_lowest_positions(num_sms, rows_l
     want = ref.indexer_topk(*case.args, k, width=width)
     for r, n in enumerate(rows_lens):
         assert set(got[r].tolist()) == set(want[r].tolist()), f"row {r} (len {n})"
+        if n > k:  # the documented order: above the k-th key's 16-bit prefix, then the rest
+            keys = ref.sortable_keys(logits[r, got[r].long()])  # above the k-th key, then its ties
+            kth = int(keys.min())
+            groups = [(keys >> 16) > (kth >> 16), ((keys >> 16) == (kth >> 16)) & (keys > kth),
+                      keys == kth]
+            sizes = [int(m.sum()) for m in groups]
+            at = 0
+            for m, size in zip(groups, sizes):  # each group in one run, positions ascending
+                assert bool(m[at:at + size].all()) and bool((got[r][at:at + size].diff() > 0).all())
+                at += size
