@@ -37,8 +37,9 @@ def _gpu_exact(ctx, cases):
         gb = IndexerMetadataBuilder(glay, max_num_reqs=n, max_num_tokens=rows,
                                     max_pages_per_req=table.shape[1], device=dev)
         gmeta = gb.build(_batch(qsl, seq, table, case, dev))
-        # the unfused single-GPU route: the fused one breaks threshold ties otherwise (a known
-        # bug, test_kernels_gpu::test_fused_route_gives_threshold_ties_to_the_lowest_positions)
+        # the unfused single-GPU route as the comparison (the fused one broke threshold ties until
+        # its programs took contiguous chunks: test_kernels_gpu::
+        # test_fused_route_gives_threshold_ties_to_the_lowest_positions)
         unfused = DEFAULT_CONFIG.with_values(**{"fused.enabled": False})
         single = IndexerStep.for_builder(gb, config=unfused).run(gmeta, q, w, cache)
         lay = layout_of(case, ctx.world_size, ctx.rank)

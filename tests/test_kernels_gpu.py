@@ -106,8 +106,6 @@ def test_topk_exact_on_dense_logits(k, rows, algo):
     assert torch.equal(got.sort(1).values, default.sort(1).values)
 
 
-@pytest.mark.xfail(strict=True, reason="known bug: the fused route takes the k-th score's ties in "
-                   "(program, tile, lane) order, not lowest positions first (found by the DCP GPU test)")
 def test_fused_route_gives_threshold_ties_to_the_lowest_positions():
     lens = [12000, 2047, 64]
     case = make_case(lens, heads=16, ties=True, device=DEV, seed=3)

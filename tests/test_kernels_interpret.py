@@ -377,3 +377,67 @@ def test_nan_scores_from_the_scorer_rank_below_every_number(algo):
     for r in range(2):
         assert set(got[r].tolist()) == set(want[r].tolist()), r
         assert not bool(torch.isnan(logits[r, got[r].long()]).any())
+
+
+def _tie_case(lens, table_pages, seed):
+    """Scores from few integer-valued levels (exact in fp32): many ties at the k-th key. Row ``r``
+    weighs its first 4, 2 or 1 heads (by ``seed + r``) with integers in [-2, 2], the others 0."""
+    case = make_case(lens, heads=16, table_pages=table_pages, ties=True, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randint(-2, 3, tuple(case.weights.shape), generator=g).float()
+    for r in range(len(lens)):
+        w[r, (4, 2, 1)[(seed + r) % 3]:] = 0
+    case.weights.copy_(w)
+    return case
+
+
+def _split_ties(logits, lens, k):
+    """Rows whose k-th score is shared by more live positions than the top-k can take."""
+    rows = []
+    for r, n in enumerate(lens):
+        if n > k:
+            s = ref.sortable_keys(logits[r, :n])
+            kth = s.sort(descending=True).values[k - 1]
+            if int((s > kth).sum()) + int((s == kth).sum()) > k:
+                rows.append(r)
+    return rows
+
+
+@pytest.mark.parametrize("num_sms, rows_lens, pages", [
+    # 2 rows on 4 slots: 2 parts of up to 8 tiles
+    (2, [700, 768], 12),
+    # 2 rows on 6 slots: 3 parts of up to 4 tiles; lengths near k and at page multiples
+    (3, [41, 640], 12),
+    (3, [257, 129], 12),
+    # 1 row on 4 slots: 3 parts of up to 4 tiles; 4 live tiles (chunks of 2) leave a part idle
+    (2, [256], 10),
+    (2, [300], 10),
+    (2, [640], 10),
+    # 4 rows on 16 slots: 4 parts of up to 4 tiles; 2 and 7 live tiles: idle or short parts
+    (8, [65, 400, 512, 1000], 16),
+])
+def test_fused_step_gives_threshold_ties_to_the_lowest_positions(num_sms, rows_lens, pages):
+    """The k-th score's ties go to the lowest positions (reference contract): the same set as the
+    reference on every row, ties split over several parts and several tiles per part."""
+    k = 40
+    case = _tie_case(rows_lens, pages, seed=sum(rows_lens) + num_sms)
+    width = pages * 64
+    ws = IndexerTopkWorkspace(len(rows_lens), k, width, "cpu", num_sms=num_sms, config=FUSED)
+    route = ws.route(len(rows_lens), width, 64)
+    assert route.fused and route.fused_parts > 1
+    logits = ref.paged_indexer_logits(*case.args, width)
+    assert _split_ties(logits, rows_lens, k)  # the case really splits ties at the k-th score
+    got, _ = _fused_step(case, k, width, num_sms=num_sms)
+    want = ref.indexer_topk(*case.args, k, width=width)
+    for r, n in enumerate(rows_lens):
+        assert set(got[r].tolist()) == set(want[r].tolist()), f"row {r} (len {n})"
+        if n > k:  # the documented order: above the k-th key's 16-bit prefix, then the rest
+            keys = ref.sortable_keys(logits[r, got[r].long()])  # above the k-th key, then its ties
+            kth = int(keys.min())
+            groups = [(keys >> 16) > (kth >> 16), ((keys >> 16) == (kth >> 16)) & (keys > kth),
+                      keys == kth]
+            sizes = [int(m.sum()) for m in groups]
+            at = 0
+            for m, size in zip(groups, sizes):  # each group in one run, positions ascending
+                assert bool(m[at:at + size].all()) and bool((got[r][at:at + size].diff() > 0).all())
+                at += size

@@ -83,6 +83,10 @@ def test_routes_fit_the_device_and_cover_the_width(rows, width, sms, ctas, page)
         assert rows * r.fused_parts <= sms * ctas  # every program resident at once
         assert r.fused_parts <= cfg.fused.max_parts
         assert r.fused_parts * r.fused_tiles * page >= width  # every tile has an owner
+        # any live length up to the width: contiguous chunks of cdiv(live tiles, parts) fit
+        tiles = -(-width // page)
+        for live in {1, tiles // 2 + 1, tiles}:
+            assert -(-live // r.fused_parts) <= r.fused_tiles
         assert r.fused_tiles * page <= cfg.fused.max_keys
         assert r.fused_tiles & (r.fused_tiles - 1) == 0
     else:

@@ -49,7 +49,8 @@ class Route:
     fused_parts: int = 0
     """Fused: programs per row."""
     fused_tiles: int = 0
-    """Fused: page tiles per program (a power of two)."""
+    """Fused: most page tiles per program (a power of two, the register tile). A row's programs
+    take contiguous chunks of ``cdiv(live tiles, fused_parts)`` tiles, never more than this."""
 
     @property
     def fused(self) -> bool:
@@ -68,7 +69,9 @@ def fused_grid(rows: int, width: int, page: int, slots: int, max_keys: int,
                max_parts: int) -> tuple[int, int] | None:
     """``(programs per row, tiles per program)`` of the fused step, or None when it does not fit.
 
-    ``slots``: programs that can be resident at once on the device.
+    ``slots``: programs that can be resident at once on the device. ``programs * tiles`` covers
+    the width's tiles, so a row of any live length up to the width splits into contiguous chunks
+    of ``cdiv(live tiles, programs) <= tiles`` tiles, one per program.
     """
     if rows <= 0 or width <= 0 or page <= 0 or page & (page - 1) or rows > slots:
         return None

@@ -3,18 +3,23 @@
 Grid ``(rows, parts)``, launched cooperatively (every program resident at once, or the launch
 fails and the warm-up call takes fewer programs per SM); ``parts`` comes from the route planner
 (``route.plan_route``: the static row count, the SM count and the width bound). Program ``(r,
-p)`` scores tiles ``p, p + parts, ...`` of row ``r`` up to the row's device length and keeps
-their sortable keys in registers: scores never go to global memory. The row's programs then run
-two 8-bit radix passes (key bits 31..16): each adds its 256-bin histogram of the keys matching
-the prefix so far to the row's histogram and meets the others at a device-side barrier (an
-atomic counter, then a spin on a volatile load), after which every program reads the same digit.
+p)`` scores the contiguous chunk of page tiles ``[p * c, (p + 1) * c)`` of row ``r``, with ``c =
+cdiv(live tiles, parts)`` from the row's device length (at most the route's ``fused_tiles``;
+programs past the last tile sit the row out), and keeps their sortable keys in registers:
+scores never go to global memory. Chunks keep ``(program, tile, lane)`` order equal to position
+order, which the output order and the tie rule rest on. The row's programs then run two 8-bit
+radix passes (key bits 31..16): each adds its 256-bin histogram of the keys matching the prefix
+so far to the row's histogram and meets the others at a device-side barrier (an atomic
+counter, then a spin on a volatile load), after which every program reads the same digit.
 A third barrier publishes each program's counts above the 16-bit prefix of the k-th key and in
 it; every program then writes its positions above straight to the output (after those of the
-programs before it) and its keys in the prefix to the row's candidate buffer. The row's last
-program (atomic ticket) selects among the candidates by passes 2 and 3, writes them, and zeroes
-the row's histograms and counters for the next call (and graph replay). Output order is
-deterministic: keys above the prefix by (program, tile, lane), then the candidates above the
-k-th key, then its ties. Rows of length ``<= k`` get ``0..n-1`` then ``-1``.
+programs before it) and its keys in the prefix to the row's candidate buffer (likewise, so the
+buffer is in position order). The row's last program (atomic ticket) selects among the
+candidates by passes 2 and 3, taking the k-th key's ties in buffer order, i.e. lowest positions
+first (the reference's contract), writes them, and zeroes the row's histograms and counters for
+the next call (and graph replay). Output order is deterministic: positions of keys above the
+prefix in ascending order, then those of the candidates above the k-th key in ascending order,
+then its ties, lowest first. Rows of length ``<= k`` get ``0..n-1`` then ``-1``.
 
 Programs of a cooperative launch are all resident, so every barrier completes; as a last
 resort a barrier that has polled ``SPIN_LIMIT`` times (about half an hour) gives up and raises
@@ -83,7 +88,10 @@ def fused_step_kernel(
     parts = tl.num_programs(1)
     n = live_length(lens_ptr, active_ptr, row, sel_width, HAS_ACTIVE)
     n_tiles = tl.cdiv(n, PAGE)
-    live_parts = tl.where(n > K, tl.minimum(parts, n_tiles), 0)
+    # contiguous chunks of `chunk` tiles (the same most tiles per program as any split), so
+    # (program, tile, lane) order is position order; live_parts: the programs with a tile
+    chunk = tl.maximum(tl.cdiv(n_tiles, parts), 1)
+    live_parts = tl.where(n > K, tl.cdiv(n_tiles, chunk), 0)
     out_row = out_ptr + row.to(tl.int64) * out_stride
     if PHASE <= 1:  # a short row: 0..n-1 then -1, from part 0
         short = (n <= K) & (p == 0)
@@ -96,8 +104,9 @@ def fused_step_kernel(
         bins = tl.arange(0, 256)
         jj = tl.arange(0, NSUB)
         lane = tl.arange(0, PAGE)
-        n_mine = tl.cdiv(n_tiles - p, parts)  # tiles p, p + parts, ... below n_tiles
-        pos = tl.reshape((jj[:, None] * parts + p) * PAGE + lane[None, :], [NSUB * PAGE])
+        t0 = p * chunk
+        n_mine = tl.minimum(chunk, n_tiles - t0)  # tiles t0 .. t0 + n_mine - 1 (at most NSUB)
+        pos = tl.reshape((t0 + jj[:, None]) * PAGE + lane[None, :], [NSUB * PAGE])
         valid = tl.reshape(jj[:, None] + 0 * lane[None, :] < n_mine, [NSUB * PAGE]) & (pos < n)
         stash = stash_ptr + (row * parts + p).to(tl.int64) * (NSUB * PAGE) + tl.arange(0, NSUB * PAGE)
         if PHASE <= 1:
@@ -107,7 +116,7 @@ def fused_step_kernel(
             n_live = tl.minimum(n, live_width)
             keys2 = tl.zeros([NSUB, PAGE], dtype=tl.int32)
             for j in tl.range(0, n_mine, num_stages=NUM_STAGES):
-                kb, scale, ok = page_keys(kc_ptr, ks_ptr, bt_row, j * parts + p, n_live, num_pages,
+                kb, scale, ok = page_keys(kc_ptr, ks_ptr, bt_row, t0 + j, n_live, num_pages,
                                           page_stride, k_offs, D, PAGE)
                 v = sortable_key(tile_scores(kb, scale, ok, q_t, w, PRECISE), False)
                 keys2 = tl.where(jj[:, None] == j, v[None, :], keys2)
