@@ -2,6 +2,7 @@
 
     python benchmarks/dcp.py --world 2                       # 2 GPUs, NCCL, the shapes
     python benchmarks/dcp.py --world 2 --device cpu          # gloo, tiny shapes: the code path only
+    python benchmarks/dcp.py --world 2 --merge-route torch   # the torch merge (before the kernels)
 
 Spawns its ranks itself (no torchrun; ``vllm_sparse_sync.testing.RankPool``). On every rank:
 the single-GPU step over whole rows (``IndexerStep``, world 1, this rank's GPU) and the DCP
@@ -49,10 +50,11 @@ def _timer(device: str, iters: int):
     return time_graph
 
 
-def bench_rank(ctx, shapes: list[tuple[int, int]], k: int, heads: int, iters: int) -> list[dict]:
+def bench_rank(ctx, shapes: list[tuple[int, int]], k: int, heads: int, iters: int,
+               merge_route: str = "auto") -> list[dict]:
     out = []
     for B, L in shapes:
-        out.append(bench_shape(ctx, B, L, k, heads, iters))
+        out.append(bench_shape(ctx, B, L, k, heads, iters, merge_route))
         if ctx.device != "cpu":
             import torch
 
@@ -60,7 +62,7 @@ def bench_rank(ctx, shapes: list[tuple[int, int]], k: int, heads: int, iters: in
     return out
 
 
-def bench_shape(ctx, B: int, L: int, k: int, heads: int, iters: int) -> dict:
+def bench_shape(ctx, B: int, L: int, k: int, heads: int, iters: int, merge_route: str = "auto") -> dict:
     import torch
     import torch.distributed as dist
 
@@ -112,7 +114,8 @@ def bench_shape(ctx, B: int, L: int, k: int, heads: int, iters: int) -> dict:
     lay = IndexerLayout(backend="b12x", topk=k, max_model_len=L, num_heads=heads,
                         dcp_world_size=world, dcp_rank=rank)
     cache, meta, _, pages = setup(lay, dcp_localize(L, world, rank))
-    step = DcpIndexerStep(lay, max_rows=B, max_pages_per_req=pages, device=dev)
+    step = DcpIndexerStep(lay, max_rows=B, max_pages_per_req=pages, device=dev, merge_route=merge_route)
+    row["send_route"], row["merge_route"] = step.send_route, step.merge_route
     dist.barrier()
     row["dcp_us"] = time_graph(lambda: step.run(meta, q, w, cache))
     dist.barrier()
@@ -147,6 +150,8 @@ def main(argv=None) -> int:
     p.add_argument("--k", type=int, default=None, help="top-k (default 2048; cpu: 64)")
     p.add_argument("--heads", type=int, default=None, help="indexer heads (default 64; cpu: 16)")
     p.add_argument("--iters", type=int, default=None, help="timed replays (default 50; cpu: 5)")
+    p.add_argument("--merge-route", choices=("auto", "triton", "torch"), default="auto",
+                   help="DcpIndexerStep's send-key and merge + remap route (auto: Triton on CUDA)")
     p.add_argument("--timeout", type=float, default=540.0)
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
@@ -160,7 +165,7 @@ def main(argv=None) -> int:
     from vllm_sparse_sync.testing import RankPool
 
     with RankPool(a.world, "gloo" if cpu else "nccl") as pool:
-        per_rank = pool.run(bench_rank, shapes, k, heads, iters, timeout=a.timeout)
+        per_rank = pool.run(bench_rank, shapes, k, heads, iters, a.merge_route, timeout=a.timeout)
     rows = [r for ranks in zip(*per_rank) for r in ranks]
     print(table(rows))
     out = a.out or os.path.join(ROOT, "benchmarks", "results", f"dcp_{a.device}_w{a.world}.json")
@@ -168,7 +173,7 @@ def main(argv=None) -> int:
     import torch
 
     meta = {"torch": torch.__version__, "device": a.device, "world": a.world, "k": k, "heads": heads,
-            "iters": iters}
+            "iters": iters, "merge_route": a.merge_route}
     if not cpu:
         meta["gpu"] = torch.cuda.get_device_name(0)
         meta["NCCL_NVLS_ENABLE"] = os.environ.get("NCCL_NVLS_ENABLE")

@@ -52,6 +52,7 @@ class Case:
     authoritative: bool = True
     plant: str = ""
     local_route: str = "auto"
+    merge_route: str = "auto"
 
 
 def layout_of(case: Case, world: int = 1, rank: int = 0) -> IndexerLayout:
@@ -160,7 +161,7 @@ def run_case(ctx, case: Case, *, sentinel: bool) -> dict:
         builder = IndexerMetadataBuilder(lay, max_num_reqs=max(n, 1), max_num_tokens=max(rows, 1),
                                          max_pages_per_req=table_l.shape[1], device=dev)
         step = DcpIndexerStep(lay, max_rows=max(rows, 1), max_pages_per_req=table_l.shape[1], device=dev,
-                              local_route=case.local_route)
+                              local_route=case.local_route, merge_route=case.merge_route)
         batch = _batch(qsl, seq, table_l, case, dev)
         got = []
 

@@ -104,6 +104,22 @@ def test_the_triton_local_route_agrees_in_the_interpreter(multirank):
     assert _check(multirank, cases, 2, sentinel=False) == []
 
 
+@pytest.mark.parametrize("world", [2, 4])
+def test_the_triton_merge_route_agrees_in_the_interpreter(multirank, world):
+    """The CUDA merge route (send-key kernel, all-gather, merge + remap kernel) in Triton's
+    interpreter: after the Triton local route (send keys read from the scorer's logits) and
+    after the torch one (send keys from per-slot scores), under the sentinel."""
+    pytest.importorskip("triton")
+    if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("runs Triton's CPU interpreter (the GPU tests run the compiled kernels)")
+    cases = [Case(world=world, seq_lens=(300, 90, 5), query_lens=(1, 2, 1), k=32, interleave=i,
+                  backend=b, max_model_len=256 * 2, ties=t, seed=i, local_route=lr,
+                  merge_route="triton")
+             for i, b, t, lr in ((1, "b12x", False, "triton"), (64, "deepgemm", True, "torch"),
+                                 (2, "b12x", True, "torch"))]
+    assert _check(multirank, cases, world) == []
+
+
 # ------------------------------------------------------------------ bad input, every rank
 def _construct(ctx, how: str):
     """Construct a step with a misconfiguration; the error text on this rank (or 'ok')."""
@@ -118,6 +134,8 @@ def _construct(ctx, how: str):
         lay = dataclasses.replace(lay, topk=32)
     elif how == "max_rows" and ctx.rank == 0:
         kw["max_rows"] = 0
+    elif how == "merge_route" and ctx.rank == 1:
+        kw["merge_route"] = "cuda"
     try:
         DcpIndexerStep(lay, **kw)
     except ValueError as exc:
@@ -130,6 +148,7 @@ def _construct(ctx, how: str):
     ("rank", "rank 1: layout.dcp_rank=0 is not this process's rank 1"),
     ("topk", "rank 1: topk=32 differs from rank 0's 16"),
     ("max_rows", "rank 0: max_rows: must be a positive int, got 0"),
+    ("merge_route", "rank 1: merge_route: must be one of auto, triton, torch, got 'cuda'"),
 ])
 def test_a_misconfigured_rank_gets_the_same_clear_error_on_every_rank(multirank, how, text):
     msgs = multirank.run(_construct, how, world_size=2, timeout=60)

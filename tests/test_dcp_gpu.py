@@ -68,8 +68,35 @@ def _gpu_exact(ctx, cases):
         owned = (got >= 0) & ((got // case.interleave) % ctx.world_size == ctx.rank)
         if not torch.equal(res.local_mask.cpu(), owned):
             errors.append(f"{case}: local mask is not the owned selected tokens")
+        errors += _kernels_equal_torch(ctx, step, res, rows, case)
         out.append(errors)
     return out
+
+
+def _kernels_equal_torch(ctx, step, res, rows, case) -> list[str]:
+    """The step's Triton send keys and merge + remap against the torch ops on the same data
+    (its local top-k and logits, its gathered buffer), element for element."""
+    from vllm_sparse_sync import dcp
+
+    world, rank, k, inter = ctx.world_size, ctx.rank, case.k, case.interleave
+    errors = []
+    if (step.send_route, step.merge_route) != ("triton", "triton"):
+        errors.append(f"{case}: routes {step.send_route}/{step.merge_route}, not the Triton ones")
+    idx = step.local_topk[:rows]
+    s = step.inner.workspace.logits[:rows].gather(1, idx.clamp_min(0).long())
+    s = torch.where(idx >= 0, s, torch.full_like(s, float("-inf")))
+    want_send = dcp.candidate_keys(s, dcp.local_to_global(idx, world, rank, inter))
+    if not torch.equal(step.send[:rows * k].view(rows, k), want_send):
+        errors.append(f"{case}: the send-key kernel differs from dcp.candidate_keys")
+    gathered = step.gathered[:world * rows * k].view(world, rows, k)
+    merged = dcp.merge_candidate_keys(gathered, k)
+    local = dcp.global_to_local(merged, world, rank, inter)
+    for name, a, b in (("global_idx", res.global_idx, merged), ("local_idx", res.local_idx, local),
+                       ("local_mask", res.local_mask, local >= 0)):
+        if not torch.equal(a, b):
+            errors.append(f"{case}: the merge kernel's {name} differs from the torch merge in "
+                          f"{int((a != b).sum())} slots")
+    return errors
 
 
 def _cases(k=2048, max_len=16384):

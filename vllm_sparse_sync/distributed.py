@@ -19,6 +19,14 @@ one CUDA graph. On CUDA the local stage is the Triton scorer and top-k (unfused,
 scores of the selected positions can be read from the workspace); elsewhere a sync-free torch
 version of the reference (dense, for small shapes: tests and gloo on CPUs).
 
+Around the all-gather, on CUDA (``merge_route``), two Triton kernels
+(``kernels.triton_dcp_merge``) replace the chains of small torch ops: one writes the send
+buffer (step 2, the scores read from the scorer's logits at the selected positions), one does
+steps 4 and 5 for each row (a ``tl.sort`` of its ``W * k`` keys) into the persistent output
+buffers. Both write exactly what the torch ops write; those stay the route on CPU tensors and
+the reference. Rows of more than ``triton_dcp_merge.MAX_MERGE_KEYS`` (8192) keys (world 8 with
+k 2048) take the torch merge after the send kernel.
+
 Contract: every rank of the group calls ``run`` with the same number of rows (the same decode
 batch; only the lengths differ by rank), as vLLM's DCP ranks do. Construction checks the
 layouts of all ranks against each other and the group (one host collective, outside the
@@ -39,6 +47,7 @@ from .metadata import IndexerDecodeMetadata
 from .step import IndexerStep
 
 LOCAL_ROUTES = ("auto", "triton", "torch")
+MERGE_ROUTES = ("auto", "triton", "torch")
 
 
 @dataclass(frozen=True)
@@ -147,15 +156,22 @@ class DcpIndexerStep:
     backend and ``max_rows`` equal on every rank): it checks all ranks' settings against each
     other in one host collective and raises the same ``ValueError`` on every rank when any is
     wrong, so no rank is left waiting in a later collective.
+
+    ``local_route``: the local scorer and top-k, ``"triton"`` or ``"torch"``; ``merge_route``:
+    the send keys and the merge + remap, ``"triton"`` (kernels) or ``"torch"`` (the reference
+    ops; the same output, element for element). ``"auto"``: Triton on CUDA devices, torch
+    elsewhere (``"triton"`` on CPU tensors needs ``TRITON_INTERPRET=1``). The Triton merge
+    takes rows of up to ``MAX_MERGE_KEYS`` keys; above, the step merges with torch
+    (``merge_route`` then reads ``"torch"``; ``send_route`` stays ``"triton"``).
     """
 
     def __init__(self, layout: IndexerLayout, group=None, *, max_rows: int, max_pages_per_req: int,
                  device: torch.device | str, config: KernelConfig | None = None,
-                 local_route: str = "auto") -> None:
+                 local_route: str = "auto", merge_route: str = "auto") -> None:
         world, rank = _group_info(group)
         self.group = group
         problems = self._local_problems(layout, world, rank, max_rows, max_pages_per_req, config,
-                                        local_route)
+                                        local_route, merge_route)
         settings = None
         if not problems:
             settings = (layout.topk, layout.cp_interleave, layout.compress_ratio, layout.page_size,
@@ -173,6 +189,15 @@ class DcpIndexerStep:
         if local_route == "auto":
             local_route = "triton" if self.device.type == "cuda" else "torch"
         self.local_route = local_route
+        if merge_route == "auto":
+            merge_route = "triton" if self.device.type == "cuda" else "torch"
+        self.send_route = merge_route  # the send-key kernel takes any world and k
+        if merge_route == "triton":
+            from .kernels.triton_dcp_merge import merge_fits
+
+            if not merge_fits(world, layout.topk, layout.topk):  # too many keys for one program
+                merge_route = "torch"
+        self.merge_route = merge_route
         k = self.k
         i32 = dict(dtype=torch.int32, device=self.device)
         self.local_topk = torch.full((max_rows, k), -1, **i32)
@@ -185,7 +210,8 @@ class DcpIndexerStep:
 
     # ------------------------------------------------------------------ checks (host)
     @staticmethod
-    def _local_problems(layout, world, rank, max_rows, max_pages_per_req, config, local_route) -> list[str]:
+    def _local_problems(layout, world, rank, max_rows, max_pages_per_req, config, local_route,
+                        merge_route="auto") -> list[str]:
         out = []
         if not isinstance(layout, IndexerLayout):
             return [f"layout: must be an IndexerLayout, got {type(layout).__name__}"]
@@ -202,6 +228,8 @@ class DcpIndexerStep:
             out.append(f"config: must be a KernelConfig, got {type(config).__name__}")
         if local_route not in LOCAL_ROUTES:
             out.append(f"local_route: must be one of {', '.join(LOCAL_ROUTES)}, got {local_route!r}")
+        if merge_route not in MERGE_ROUTES:
+            out.append(f"merge_route: must be one of {', '.join(MERGE_ROUTES)}, got {merge_route!r}")
         return out
 
     def _agree(self, world, rank, layout, settings, problems) -> None:
@@ -234,6 +262,13 @@ class DcpIndexerStep:
                          k_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's local top-``k`` over its shard: ``(int32 positions, fp32 scores)``,
         ``[meta.num_rows, k]`` each, ``-1`` / ``-inf`` padded. Sync-free."""
+        idx, scores, _ = self._local(meta, q_fp8, weights, k_cache, want_scores=True)
+        return idx, scores
+
+    def _local(self, meta, q_fp8, weights, k_cache, *, want_scores: bool):
+        """``(idx, scores, False)``; or, on the Triton route without ``want_scores``,
+        ``(idx, logits, True)``: the scorer's logits rows, which the send kernel reads at each
+        slot's local position (no score gather of its own)."""
         if not isinstance(meta, IndexerDecodeMetadata):
             raise TypeError(f"meta: must be IndexerDecodeMetadata (from the builder), got "
                             f"{type(meta).__name__}")
@@ -244,8 +279,9 @@ class DcpIndexerStep:
             raise ValueError(f"q_fp8: must be [num_rows={rows}, heads, head_dim], got {got}")
         active, width = self.inner.contract(meta)
         if self.local_route == "torch":
-            return torch_local_candidates(q_fp8, weights, k_cache, meta.block_table, meta.row_lens,
-                                          self.k, width, active_width=active)
+            idx, scores = torch_local_candidates(q_fp8, weights, k_cache, meta.block_table,
+                                                 meta.row_lens, self.k, width, active_width=active)
+            return idx, scores, False
         from .kernels import triton_ops
 
         idx = self.local_topk[:rows]
@@ -258,8 +294,11 @@ class DcpIndexerStep:
         triton_ops.indexer_topk(q_fp8, weights, k_cache, meta.block_table, meta.row_lens, self.k,
                                 active_width=active, width=width, workspace=ws, out=idx)
         # unfused route: the scores of every live column are in the workspace's logits
-        scores = ws.logits[:rows].gather(1, idx.clamp_min(0).long())
-        return idx, torch.where(idx >= 0, scores, torch.full_like(scores, float("-inf")))
+        logits = ws.logits[:rows]
+        if not want_scores:
+            return idx, logits, True
+        scores = logits.gather(1, idx.clamp_min(0).long())
+        return idx, torch.where(idx >= 0, scores, torch.full_like(scores, float("-inf"))), False
 
     def merge(self, local_idx: torch.Tensor, local_scores: torch.Tensor) -> DcpTopk:
         """Gather every rank's candidates and merge them into the exact global top-``k``.
@@ -285,19 +324,42 @@ class DcpIndexerStep:
         if local_idx.dtype not in (torch.int32, torch.int64) or local_scores.dtype != torch.float32:
             raise ValueError(f"local_idx/local_scores: must be int32 or int64 / float32, got "
                              f"{local_idx.dtype} / {local_scores.dtype}")
-        k, world = self.k, self.world_size
+        return self._merge(local_idx, local_scores, from_logits=False)
+
+    def _merge(self, local_idx: torch.Tensor, scores: torch.Tensor, *, from_logits: bool) -> DcpTopk:
+        """Send keys, all-gather, merge, remap. ``from_logits``: ``scores`` are the scorer's
+        logits rows (``[rows, >= width]``), read at each slot's local position; only on the
+        Triton send route (``_local`` returns them only then)."""
+        k, world, rows = self.k, self.world_size, local_idx.shape[0]
         out = DcpTopk(self.global_idx[:rows], self.local_idx[:rows], self.local_mask[:rows])
         if rows == 0:
             return out
-        lay = self.layout
-        gids = dcp.local_to_global(local_idx, world, self.rank, lay.cp_interleave)
+        inter = self.layout.cp_interleave
         send = self.send[:rows * k]
-        send.view(rows, k).copy_(dcp.candidate_keys(local_scores, gids))
+        if self.send_route == "triton":
+            from .kernels.triton_dcp_merge import dcp_send_keys
+
+            if local_idx.stride(1) != 1:
+                local_idx = local_idx.contiguous()
+            if scores.stride(1) != 1:
+                scores = scores.contiguous()
+            dcp_send_keys(local_idx, scores, send, world=world, rank=self.rank, interleave=inter,
+                          gather=from_logits)
+        else:
+            assert not from_logits, "the torch send route takes per-slot scores"
+            gids = dcp.local_to_global(local_idx, world, self.rank, inter)
+            send.view(rows, k).copy_(dcp.candidate_keys(scores, gids))
         gathered = self.gathered[:world * rows * k]
         self._gather(gathered, send, group=self.group)
+        if self.merge_route == "triton":
+            from .kernels.triton_dcp_merge import dcp_merge
+
+            dcp_merge(gathered.view(world, rows, k), k, out.global_idx, out.local_idx,
+                      out.local_mask, world=world, rank=self.rank, interleave=inter)
+            return out
         merged = dcp.merge_candidate_keys(gathered.view(world, rows, k), k)
         out.global_idx.copy_(merged)
-        out.local_idx.copy_(dcp.global_to_local(merged, world, self.rank, lay.cp_interleave))
+        out.local_idx.copy_(dcp.global_to_local(merged, world, self.rank, inter))
         torch.ge(out.local_idx, 0, out=out.local_mask)
         return out
 
@@ -305,5 +367,6 @@ class DcpIndexerStep:
             k_cache: torch.Tensor) -> DcpTopk:
         """The whole DCP step on this rank's shard: local scorer and top-k, all-gather, merge,
         remap. Every rank must call it with the same ``meta.num_rows``. Sync-free."""
-        idx, scores = self.local_candidates(meta, q_fp8, weights, k_cache)
-        return self.merge(idx, scores)
+        idx, scores, from_logits = self._local(meta, q_fp8, weights, k_cache,
+                                               want_scores=self.send_route != "triton")
+        return self._merge(idx, scores, from_logits=from_logits)

@@ -1,0 +1,163 @@
+"""Triton kernels of the DCP step around its all-gather: the send keys, and the merge + remap.
+
+``dcp_send_keys``: one int64 candidate key per local top-k slot, written straight into the
+send buffer: the local -> global map (``dcp.local_to_global``), the score (read from the
+caller's ``[rows, k]`` scores, or gathered from the scorer's logits row at the local position)
+and the key packing (``dcp.candidate_keys``) in one launch.
+
+``dcp_merge``: per row, the ``world * k_local`` gathered keys, padded to a power of two with
+``dcp.PAD_KEY``, sorted descending (``tl.sort``); the first ``k`` are the exact global top-k.
+Their ids (``dcp.key_ids``), this rank's local positions (``dcp.global_to_local``) and the
+mask ``local_idx >= 0`` go to the caller's buffers in the same launch (``dcp.merge_candidate_keys``
++ remap in one kernel). A row's keys live in one program's registers: rows of more than
+``MAX_MERGE_KEYS`` keys (world 8 with k 2048, say) are not handled here; the caller takes the
+torch path for them (``merge_fits``).
+
+Both write exactly what the torch ops write, element for element: a sorted int64 row is the
+same whatever order equal keys come in, and every step after the sort is elementwise with the
+torch ops' integer arithmetic (int64 wrap-around, int32 truncation where they cast). One program
+per row, static shapes, no host reads: capturable.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_common import sortable_key
+
+MAX_MERGE_KEYS = 8192
+"""Most gathered keys per row (``world * k_local``, padded to a power of two) one merge program
+sorts in registers; above it ``merge_fits`` is False and the torch merge runs instead."""
+
+SEND_BLOCK = 1024
+
+
+@triton.jit
+def _pad_key(like):
+    """``dcp.PAD_KEY`` (``-2**63``) broadcast to ``like``'s shape, as int64."""
+    return (like.to(tl.int64) * 0 + 1) << 63
+
+
+@triton.jit
+def _low32(like):
+    """``0xFFFFFFFF`` as int64, in ``like``'s shape (no unsigned constant in the arithmetic)."""
+    return tl.full(like.shape, 0xFFFFFFFF, tl.int64)
+
+
+@triton.jit(do_not_specialize=["k", "idx_stride", "score_stride"])
+def dcp_send_keys_kernel(idx_ptr, idx_stride, score_ptr, score_stride, send_ptr, k,
+                         W: tl.constexpr, I: tl.constexpr, RANK: tl.constexpr,
+                         GATHER: tl.constexpr, BLOCK: tl.constexpr):
+    """Row ``program_id(0)``, slots ``program_id(1) * BLOCK ...``: ``send[row * k + j]``."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = cols < k
+    lp_raw = tl.load(idx_ptr + row * idx_stride + cols, mask=m, other=-1)
+    lp = lp_raw.to(tl.int64)
+    # dcp.local_to_global: int64 arithmetic, then the input's dtype (int32 truncates)
+    g = (lp // I) * (W * I) + RANK * I + lp % I
+    g = tl.where(lp >= 0, g, -1).to(lp_raw.dtype).to(tl.int64)
+    if GATHER:  # the scorer's logits row, at the local position
+        s = tl.load(score_ptr + row * score_stride + tl.maximum(lp, 0), mask=m & (lp >= 0),
+                    other=float("-inf"))
+    else:
+        s = tl.load(score_ptr + row * score_stride + cols, mask=m, other=float("-inf"))
+    # dcp.candidate_keys
+    key = (sortable_key(s, True).to(tl.int64) << 32) + (_low32(g) - tl.maximum(g, 0))
+    key = tl.where(g >= 0, key, _pad_key(key))
+    tl.store(send_ptr + row * k + cols, key, mask=m)
+
+
+@triton.jit(do_not_specialize=["world_stride", "row_stride", "out_stride"])
+def dcp_merge_kernel(keys_ptr, world_stride, row_stride, gidx_ptr, lidx_ptr, mask_ptr, out_stride,
+                     K: tl.constexpr, K_LOCAL: tl.constexpr, W: tl.constexpr, I: tl.constexpr,
+                     RANK: tl.constexpr, N: tl.constexpr):
+    """Row ``program_id(0)``: sort its ``W * K_LOCAL`` keys (``N``: a power of two), keep ``K``."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, N)
+    valid = offs < W * K_LOCAL
+    src = (offs // K_LOCAL).to(tl.int64) * world_stride + row * row_stride + offs % K_LOCAL
+    key = tl.load(keys_ptr + tl.where(valid, src, 0), mask=valid, other=0)
+    pad = _pad_key(key)
+    key = tl.where(valid, key, pad)
+    key = tl.sort(key, descending=True)
+    # dcp.key_ids
+    ids = tl.where(key != pad, _low32(key) - (key & _low32(key)), -1).to(tl.int32)
+    # dcp.global_to_local on the int32 ids
+    g = ids.to(tl.int64)
+    owned = (g >= 0) & ((g // I) % W == RANK)
+    lp = (g // (I * W)) * I + g % I
+    local = tl.where(owned, lp, -1).to(tl.int32)
+    out = row * out_stride + offs
+    keep = offs < K
+    tl.store(gidx_ptr + out, ids, mask=keep)
+    tl.store(lidx_ptr + out, local, mask=keep)
+    tl.store(mask_ptr + out, (local >= 0).to(tl.uint8), mask=keep)
+
+
+def merge_width(world: int, k_local: int, k: int) -> int:
+    """Keys one merge program sorts: ``max(world * k_local, k)`` up to a power of two."""
+    return triton.next_power_of_2(max(world * k_local, k))
+
+
+def merge_fits(world: int, k_local: int, k: int) -> bool:
+    """Whether ``dcp_merge`` takes rows of ``world * k_local`` keys (at most ``MAX_MERGE_KEYS``)."""
+    return merge_width(world, k_local, k) <= MAX_MERGE_KEYS
+
+
+def _warps(n: int) -> int:
+    return 4 if n <= 1024 else 8 if n <= 4096 else 16
+
+
+def dcp_send_keys(local_idx: torch.Tensor, scores: torch.Tensor, send: torch.Tensor, *, world: int,
+                  rank: int, interleave: int, gather: bool) -> torch.Tensor:
+    """Candidate keys of ``local_idx`` (int32/int64 ``[rows, k]``, ``-1`` padding) into ``send``
+    (int64, ``rows * k`` contiguous); equal to ``dcp.candidate_keys(scores_of_slots,
+    dcp.local_to_global(local_idx, ...))``. Scores: ``[rows, k]`` per slot, or with ``gather``
+    a ``[rows, >= width]`` logits buffer read at each slot's local position (slots with
+    ``-1`` read nothing). Row strides are taken as given; columns must be contiguous."""
+    rows, k = local_idx.shape
+    if rows == 0:
+        return send
+    if local_idx.stride(1) != 1 or scores.stride(1) != 1 or not send.is_contiguous():
+        raise ValueError("dcp_send_keys: local_idx/scores columns and send must be contiguous")
+    if send.numel() != rows * k or send.dtype != torch.int64:
+        raise ValueError(f"dcp_send_keys: send must be int64 of {rows * k} keys, got "
+                         f"{send.dtype} {tuple(send.shape)}")
+    block = min(SEND_BLOCK, triton.next_power_of_2(k))
+    grid = (rows, triton.cdiv(k, block))
+    dcp_send_keys_kernel[grid](local_idx, local_idx.stride(0), scores, scores.stride(0), send, k,
+                               W=world, I=interleave, RANK=rank, GATHER=bool(gather), BLOCK=block,
+                               num_warps=4)
+    return send
+
+
+def dcp_merge(gathered: torch.Tensor, k: int, global_idx: torch.Tensor, local_idx: torch.Tensor,
+              local_mask: torch.Tensor, *, world: int, rank: int, interleave: int) -> None:
+    """Merge + remap of gathered keys ``int64 [world, rows, k_local]`` into the caller's
+    ``[rows, k]`` buffers (``global_idx`` / ``local_idx`` int32, ``local_mask`` bool), equal to
+    ``dcp.merge_candidate_keys`` then ``dcp.global_to_local`` then ``>= 0``. Requires
+    ``merge_fits(world, k_local, k)``."""
+    w, rows, k_local = gathered.shape
+    if w != world or gathered.dtype != torch.int64 or gathered.stride(2) != 1:
+        raise ValueError(f"dcp_merge: gathered must be int64 [world={world}, rows, k_local] with "
+                         f"contiguous columns, got {gathered.dtype} {tuple(gathered.shape)}")
+    if not merge_fits(world, k_local, k):
+        raise ValueError(f"dcp_merge: {world} x {k_local} keys per row exceed MAX_MERGE_KEYS="
+                         f"{MAX_MERGE_KEYS} (take the torch merge)")
+    for name, t, dt in (("global_idx", global_idx, torch.int32), ("local_idx", local_idx, torch.int32),
+                        ("local_mask", local_mask, torch.bool)):
+        if t.shape != (rows, k) or t.dtype != dt or t.stride(1) != 1:
+            raise ValueError(f"dcp_merge: {name} must be {dt} [{rows}, {k}] with contiguous "
+                             f"columns, got {t.dtype} {tuple(t.shape)}")
+    if not (global_idx.stride(0) == local_idx.stride(0) == local_mask.stride(0)):
+        raise ValueError("dcp_merge: the output buffers' row strides differ")
+    if rows == 0:
+        return
+    n = merge_width(world, k_local, k)
+    dcp_merge_kernel[(rows,)](gathered, gathered.stride(0), gathered.stride(1), global_idx,
+                              local_idx, local_mask.view(torch.uint8), global_idx.stride(0),
+                              K=k, K_LOCAL=k_local, W=world, I=interleave, RANK=rank, N=n,
+                              num_warps=_warps(n))
