@@ -48,7 +48,7 @@ def _low32(like):
 
 @triton.jit(do_not_specialize=["k", "idx_stride", "score_stride"])
 def dcp_send_keys_kernel(idx_ptr, idx_stride, score_ptr, score_stride, send_ptr, k,
-                         W: tl.constexpr, I: tl.constexpr, RANK: tl.constexpr,
+                         W: tl.constexpr, IL: tl.constexpr, RANK: tl.constexpr,
                          GATHER: tl.constexpr, BLOCK: tl.constexpr):
     """Row ``program_id(0)``, slots ``program_id(1) * BLOCK ...``: ``send[row * k + j]``."""
     row = tl.program_id(0).to(tl.int64)
@@ -57,7 +57,7 @@ def dcp_send_keys_kernel(idx_ptr, idx_stride, score_ptr, score_stride, send_ptr,
     lp_raw = tl.load(idx_ptr + row * idx_stride + cols, mask=m, other=-1)
     lp = lp_raw.to(tl.int64)
     # dcp.local_to_global: int64 arithmetic, then the input's dtype (int32 truncates)
-    g = (lp // I) * (W * I) + RANK * I + lp % I
+    g = (lp // IL) * (W * IL) + RANK * IL + lp % IL
     g = tl.where(lp >= 0, g, -1).to(lp_raw.dtype).to(tl.int64)
     if GATHER:  # the scorer's logits row, at the local position
         s = tl.load(score_ptr + row * score_stride + tl.maximum(lp, 0), mask=m & (lp >= 0),
@@ -72,7 +72,7 @@ def dcp_send_keys_kernel(idx_ptr, idx_stride, score_ptr, score_stride, send_ptr,
 
 @triton.jit(do_not_specialize=["world_stride", "row_stride", "out_stride"])
 def dcp_merge_kernel(keys_ptr, world_stride, row_stride, gidx_ptr, lidx_ptr, mask_ptr, out_stride,
-                     K: tl.constexpr, K_LOCAL: tl.constexpr, W: tl.constexpr, I: tl.constexpr,
+                     K: tl.constexpr, K_LOCAL: tl.constexpr, W: tl.constexpr, IL: tl.constexpr,
                      RANK: tl.constexpr, N: tl.constexpr):
     """Row ``program_id(0)``: sort its ``W * K_LOCAL`` keys (``N``: a power of two), keep ``K``."""
     row = tl.program_id(0).to(tl.int64)
@@ -87,8 +87,8 @@ def dcp_merge_kernel(keys_ptr, world_stride, row_stride, gidx_ptr, lidx_ptr, mas
     ids = tl.where(key != pad, _low32(key) - (key & _low32(key)), -1).to(tl.int32)
     # dcp.global_to_local on the int32 ids
     g = ids.to(tl.int64)
-    owned = (g >= 0) & ((g // I) % W == RANK)
-    lp = (g // (I * W)) * I + g % I
+    owned = (g >= 0) & ((g // IL) % W == RANK)
+    lp = (g // (IL * W)) * IL + g % IL
     local = tl.where(owned, lp, -1).to(tl.int32)
     out = row * out_stride + offs
     keep = offs < K
@@ -129,7 +129,7 @@ def dcp_send_keys(local_idx: torch.Tensor, scores: torch.Tensor, send: torch.Ten
     block = min(SEND_BLOCK, triton.next_power_of_2(k))
     grid = (rows, triton.cdiv(k, block))
     dcp_send_keys_kernel[grid](local_idx, local_idx.stride(0), scores, scores.stride(0), send, k,
-                               W=world, I=interleave, RANK=rank, GATHER=bool(gather), BLOCK=block,
+                               W=world, IL=interleave, RANK=rank, GATHER=bool(gather), BLOCK=block,
                                num_warps=4)
     return send
 
@@ -159,5 +159,5 @@ def dcp_merge(gathered: torch.Tensor, k: int, global_idx: torch.Tensor, local_id
     n = merge_width(world, k_local, k)
     dcp_merge_kernel[(rows,)](gathered, gathered.stride(0), gathered.stride(1), global_idx,
                               local_idx, local_mask.view(torch.uint8), global_idx.stride(0),
-                              K=k, K_LOCAL=k_local, W=world, I=interleave, RANK=rank, N=n,
+                              K=k, K_LOCAL=k_local, W=world, IL=interleave, RANK=rank, N=n,
                               num_warps=_warps(n))
