@@ -49,87 +49,50 @@ def torch_path(local, scores, world, interleave):
     return keys, merged, lidx, lidx >= 0
 
 
+def run_case(world: int, rows: int, errors: list[str]) -> dict:
+    """One world size and row count: the kernels against the torch path, and their timings."""
+    interleave = 64 if rows == 8 else 1
+    local, scores = case(world, rows, interleave, seed=world * 100 + rows)
+    keys, merged, lidx, mask = torch_path(local, scores, world, interleave)
+    send = torch.empty(world, rows * K, dtype=torch.int64, device="cuda")
+    gi = torch.empty(rows, K, dtype=torch.int32, device="cuda")
+    li, lm = torch.empty_like(gi), torch.empty(rows, K, dtype=torch.bool, device="cuda")
+    gathered = send.view(world, rows, K)
+
+    def send_rank(r: int) -> None:
+        dcp_send_keys(local, scores[r], send[r], world=world, rank=r, interleave=interleave, gather=False)
+
+    def merge() -> None:
+        dcp_merge(gathered, K, gi, li, lm, world=world, rank=0, interleave=interleave)
+
+    for r in range(world):  # every rank's keys, laid out as the all-gather leaves them
+        send_rank(r)
+    merge()
+    torch.cuda.synchronize()
+    ok = (torch.equal(gathered, keys) and torch.equal(gi, merged) and torch.equal(li, lidx)
+          and torch.equal(lm, mask))
+    if not ok:
+        errors.append(f"world {world} rows {rows}: kernels differ from the torch path")
+    row = dict(world=world, rows=rows, exact=ok, send_us=graph_replay_us([lambda: send_rank(0)], 20),
+               merge_us=graph_replay_us([merge], 20),
+               torch_all_ranks_us=graph_replay_us([lambda: torch_path(local, scores, world, interleave)], 20))
+    print(json.dumps({k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+    return row
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    rows_out, errors = [], []
+    rows_out: list[dict] = []
+    errors: list[str] = []
     for world in (2, 4):
         for rows in (1, 8, 64):
-            interleave = 64 if rows == 8 else 1
-            local, scores = case(world, rows, interleave, seed=world * 100 + rows)
-            keys, merged, lidx, mask = torch_path(local, scores, world, interleave)
-            send = torch.empty(world, rows * K, dtype=torch.int64, device="cuda")
-            gi = torch.empty(rows, K, dtype=torch.int32, device="cuda")
-            li, lm = torch.empty_like(gi), torch.empty(rows, K, dtype=torch.bool, device="cuda")
-
-            def kernels_once():
-                for r in range(world):  # each rank's send kernel, as the all-gather would lay them out
-                    dcp_send_keys(
-                        local, scores[r], send[r], world=world, rank=r, interleave=interleave, gather=False
-                    )
-                dcp_merge(
-                    send.view(world, rows, K), K, gi, li, lm, world=world, rank=0, interleave=interleave
-                )
-
-            kernels_once()
-            torch.cuda.synchronize()
-            ok = (
-                torch.equal(send.view(world, rows, K), keys)
-                and torch.equal(gi, merged)
-                and torch.equal(li, lidx)
-                and torch.equal(lm, mask)
-            )
-            if not ok:
-                errors.append(f"world {world} rows {rows}: kernels differ from the torch path")
-            merge_us = graph_replay_us(
-                [
-                    lambda: dcp_merge(
-                        send.view(world, rows, K), K, gi, li, lm, world=world, rank=0, interleave=interleave
-                    )
-                ],
-                20,
-            )
-            send_us = graph_replay_us(
-                [
-                    lambda: dcp_send_keys(
-                        local, scores[0], send[0], world=world, rank=0, interleave=interleave, gather=False
-                    )
-                ],
-                20,
-            )
-            torch_us = graph_replay_us([lambda: torch_path(local, scores, world, interleave)], 20)
-            row = dict(
-                world=world,
-                rows=rows,
-                exact=ok,
-                send_us=send_us,
-                merge_us=merge_us,
-                torch_all_ranks_us=torch_us,
-            )
-            rows_out.append(row)
-            print(
-                json.dumps({k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()}),
-                flush=True,
-            )
-    print(
-        "\n".join(
-            text_table(
-                ["world", "rows", "exact", "send us", "merge us", "torch path us (all ranks' keys)"],
-                [
-                    [
-                        str(r["world"]),
-                        str(r["rows"]),
-                        "yes" if r["exact"] else "NO",
-                        f"{r['send_us']:.1f}",
-                        f"{r['merge_us']:.1f}",
-                        f"{r['torch_all_ranks_us']:.1f}",
-                    ]
-                    for r in rows_out
-                ],
-            )
-        )
-    )
+            rows_out.append(run_case(world, rows, errors))
+    head = ["world", "rows", "exact", "send us", "merge us", "torch path us (all ranks' keys)"]
+    body = [[str(r["world"]), str(r["rows"]), "yes" if r["exact"] else "NO", f"{r['send_us']:.1f}",
+             f"{r['merge_us']:.1f}", f"{r['torch_all_ranks_us']:.1f}"] for r in rows_out]
+    print("\n".join(text_table(head, body)))
     print("errors: " + ("none" if not errors else "; ".join(errors)))
     if args.out:
         with open(args.out, "w") as f:
