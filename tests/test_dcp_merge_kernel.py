@@ -181,13 +181,13 @@ def test_merge_of_the_step_buffers_adversarial_rows(world, interleave):
 
 
 def test_merge_fits_and_its_limit():
-    assert tm.merge_fits(2, 2048, 2048) and tm.merge_fits(4, 2048, 2048)
-    assert not tm.merge_fits(8, 2048, 2048)  # 16384 keys: the step takes the torch merge
+    assert tm.merge_fits(2, 2048, 2048) and tm.merge_fits(4, 1024, 2048)
+    assert not tm.merge_fits(4, 2048, 2048)  # 8192 keys: the step takes the torch merge
     assert tm.merge_width(3, 100, 100) == 512 and tm.merge_width(2, 4, 16) == 16
-    keys = torch.zeros(8, 1, 2048, dtype=torch.int64)
+    keys = torch.zeros(4, 1, 2048, dtype=torch.int64)
     out = [torch.zeros(1, 2048, dtype=t) for t in (torch.int32, torch.int32, torch.bool)]
     with pytest.raises(ValueError, match="MAX_MERGE_KEYS"):
-        tm.dcp_merge(keys, 2048, *out, world=8, rank=0, interleave=1)
+        tm.dcp_merge(keys, 2048, *out, world=4, rank=0, interleave=1)
 
 
 def test_merge_rejects_bad_buffers():

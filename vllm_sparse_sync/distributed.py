@@ -24,7 +24,7 @@ Around the all-gather, on CUDA (``merge_route``), two Triton kernels
 buffer (step 2, the scores read from the scorer's logits at the selected positions), one does
 steps 4 and 5 for each row (a ``tl.sort`` of its ``W * k`` keys) into the persistent output
 buffers. Both write exactly what the torch ops write; those stay the route on CPU tensors and
-the reference. Rows of more than ``triton_dcp_merge.MAX_MERGE_KEYS`` (8192) keys (world 8 with
+the reference. Rows of more than ``triton_dcp_merge.MAX_MERGE_KEYS`` (4096) keys (world 4 or more with
 k 2048) take the torch merge after the send kernel.
 
 Contract: every rank of the group calls ``run`` with the same number of rows (the same decode

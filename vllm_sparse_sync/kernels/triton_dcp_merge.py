@@ -10,7 +10,7 @@ and the key packing (``dcp.candidate_keys``) in one launch.
 Their ids (``dcp.key_ids``), this rank's local positions (``dcp.global_to_local``) and the
 mask ``local_idx >= 0`` go to the caller's buffers in the same launch (``dcp.merge_candidate_keys``
 + remap in one kernel). A row's keys live in one program's registers: rows of more than
-``MAX_MERGE_KEYS`` keys (world 8 with k 2048, say) are not handled here; the caller takes the
+``MAX_MERGE_KEYS`` keys (world 4 or more with k 2048) are not handled here; the caller takes the
 torch path for them (``merge_fits``).
 
 Both write exactly what the torch ops write, element for element: a sorted int64 row is the
@@ -27,7 +27,7 @@ import triton.language as tl
 
 from .triton_common import sortable_key
 
-MAX_MERGE_KEYS = 8192
+MAX_MERGE_KEYS = 4096
 """Most gathered keys per row (``world * k_local``, padded to a power of two) one merge program
 sorts in registers; above it ``merge_fits`` is False and the torch merge runs instead."""
 
