@@ -11,7 +11,8 @@ C D E, ...): ``legacy`` (the builder's ``legacy_device_sync``: ``seq_lens.max().
 step), ``broad`` (sync-free, max_model_len bound, our kernels), ``broad-sensitive`` (the same
 bound, kernels forced to the bound width), ``exact`` (sync-free, CPU shadow), ``ideal`` (no
 metadata work). Per variant: tok/s, step time, GPU time, host time, syncs per step counted by
-the harness's runtime-API layer, and whether the sampled token ids match ``exact``'s.
+the harness's runtime-API layer, and whether the sampled token ids match across runs
+(every run is compared with the first run of the same length: ``legacy``'s).
 
 Prints a table, writes JSON (``--out``) and a PNG (``--plot``; needs matplotlib: the ``plot`` extra).
 """
@@ -31,7 +32,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from vllm_sparse_sync import IndexerLayout  # noqa: E402
-from vllm_sparse_sync.decode_loop import VARIANT_NAMES, DecodeLoop, ModelShape, variant_named  # noqa: E402
+from vllm_sparse_sync.decode_loop import (  # noqa: E402
+    VARIANT_NAMES,
+    DecodeLoop,
+    ModelShape,
+    ffn_width,
+    variant_named,
+)
 from vllm_sparse_sync.table import text_table  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
@@ -170,7 +177,7 @@ def median(xs):
     return statistics.median(xs) if xs else float("nan")
 
 
-def summarize(runs: list[dict], syncs: dict, ref_tokens) -> dict:
+def summarize(runs: list[dict], syncs: dict) -> dict:
     """Median and spread over a variant's runs (one per round)."""
     tok = [r["tok_s"] for r in runs]
     return dict(
@@ -191,8 +198,8 @@ def summarize(runs: list[dict], syncs: dict, ref_tokens) -> dict:
 def run_config(
     loop: DecodeLoop, args, steps: int, host_us: float, rounds: int, ref: dict, progress: str
 ) -> dict[str, list[dict]]:
-    """Interleaved rounds of every variant; each run's summary with ``tokens_match`` against
-    the reference tokens of ``exact`` (kept in ``ref`` per steps)."""
+    """Interleaved rounds of every variant; each run's summary with ``tokens_match``: its token
+    ids equal those of the first run of the same length (kept in ``ref``, keyed by steps)."""
     out: dict[str, list[dict]] = {v: [] for v in args.variants}
     for r in range(rounds):
         for v in args.variants:
@@ -261,7 +268,7 @@ def _target(name: str, ratio: float, floor: float) -> str:
     return f"{name} = {ratio:.3f} (target >= {floor:g})  " + ("met" if ratio >= floor else "MISSED")
 
 
-def verdicts(rows: list[dict], args) -> list[str]:
+def verdicts(rows: list[dict]) -> list[str]:
     by = {(r["batch"], r["context"], r["variant"]): r["summary"] for r in rows}
     out = []
     for B, ctx in sorted({(r["batch"], r["context"]) for r in rows}):
@@ -359,7 +366,7 @@ def main(argv=None) -> int:
                     context=ctx,
                     variant=v,
                     host_work_us=args.host_us,
-                    summary=summarize(runs[v], syncs[v], ref),
+                    summary=summarize(runs[v], syncs[v]),
                     runs=runs[v],
                 )
             )
@@ -373,7 +380,7 @@ def main(argv=None) -> int:
                             context=ctx,
                             variant=v,
                             host_work_us=h,
-                            summary=summarize(runs[v], syncs[v], ref),
+                            summary=summarize(runs[v], syncs[v]),
                             runs=runs[v],
                         )
                     )
@@ -389,7 +396,7 @@ def main(argv=None) -> int:
     if sweep:
         print(f"\nsweep: B={args.sweep_batch} ctx={args.sweep_context}, {args.sweep_tokens} tokens per run")
         print(table(sweep, host_column=True))
-    lines = verdicts(rows, args)
+    lines = verdicts(rows)
     print()
     for line in lines:
         print(line)
@@ -401,7 +408,7 @@ def main(argv=None) -> int:
         torch=torch.__version__,
         layers=args.layers,
         weight_mb=args.weight_mb,
-        stand_in_columns=ffn_cols(lay, args.weight_mb),
+        stand_in_columns=ffn_width(lay.num_heads * lay.head_dim, args.weight_mb),
         topk=lay.topk,
         max_model_len=lay.max_model_len,
         tokens=args.tokens,
@@ -426,12 +433,6 @@ def main(argv=None) -> int:
             )
         )
     return 0
-
-
-def ffn_cols(lay: IndexerLayout, weight_mb: float) -> int:
-    from vllm_sparse_sync.decode_loop import ffn_width
-
-    return ffn_width(lay.num_heads * lay.head_dim, weight_mb)
 
 
 if __name__ == "__main__":

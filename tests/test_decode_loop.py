@@ -68,6 +68,8 @@ def test_bad_arguments_are_refused(loop):
         loop.run("exact", 2, before=1.5)
     with pytest.raises(ValueError, match="unknown variant"):
         variant_named("fast")
+    with pytest.raises(ValueError, match="variant: 'fast'"):
+        loop.run("fast", 2)
     with pytest.raises(ValueError, match="max_model_len"):
         DecodeLoop(LAYOUT, SHAPE, batch=1, context=250, max_steps=8, device="cpu")
     with pytest.raises(ValueError, match="vocab"):

@@ -258,3 +258,27 @@ def test_sentinel_does_not_change_results():
     with no_host_sync(watch=[x]):
         got = torch.topk(torch.cumsum(x * 3, 0), 2).values
     assert torch.equal(got, want)
+
+
+def test_unchecked_blocks_are_not_counted_and_marked_outputs_are():
+    """``SyncCheck.unchecked()``: a stand-in's own host reads inside are not records, taint does
+    not follow inside, reads before and after still count, and ``mark`` makes an output count."""
+    x = _dev()
+    with sync_recorder(watch=[x], layers="sentinel") as rec:
+        int(x[0])  # counted
+        with rec.unchecked():
+            int(x[1])  # the stand-in's own read
+            y = x * 2  # computed unchecked: not followed
+        y.tolist()
+        rec.mark(y)
+        y.tolist()  # counted once marked
+    assert [r.kind for r in rec.records] == [SCALAR_READ, D2H_COPY]
+
+
+def test_unchecked_blocks_nest_and_resume_checking():
+    x = _dev()
+    with sync_recorder(watch=[x], layers="sentinel") as rec:
+        with rec.unchecked(), rec.unchecked():  # nests
+            pass
+        x.tolist()
+    assert [r.kind for r in rec.records] == [D2H_COPY]

@@ -96,7 +96,6 @@ class SyntheticModel:
         self.embed = torch.randn(shape.vocab, hidden, generator=gen, device=self.device).to(torch.bfloat16)
         page = layout.page_size
         self.live_pages = math.ceil(max_len / page)
-        self.start_lens = list(start_lens)
         self.table_pages = math.ceil(layout.max_model_len / page)
         # Every request owns a full table of distinct pages: its first start_lens[i] slots hold
         # random keys, the rest zero keys with zero scales until a step writes them. A kernel
@@ -115,7 +114,7 @@ class SyntheticModel:
             )
             cache[live] = random_k_cache(
                 live.numel(), page, layout.head_dim, device=self.device, generator=gen
-            )  # the future slots: zeroed by reset()
+            )  # the slots past each start: zeroed by reset() below
             self.k_caches.append(cache)
         end = self.live_pages * page
         pos = torch.cat([torch.arange(n, end) for n in start_lens])
@@ -128,6 +127,7 @@ class SyntheticModel:
         self.first_tokens = (torch.arange(batch, dtype=torch.int64) * 7 % shape.vocab).to(self.device)
         self.tokens = self.first_tokens.clone()
         """The sampled token of each request: the next step's input, written by ``forward``."""
+        self.reset()  # the slots past each start hold zero keys until a step writes them
 
     def reset(self) -> None:
         """Back to the first step: input tokens, and the keys the steps wrote zeroed (device

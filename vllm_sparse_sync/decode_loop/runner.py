@@ -181,6 +181,13 @@ class DecodeLoop:
         )
 
     # ------------------------------------------------------------------ host side
+    def _variant(self, name: str) -> Variant:
+        """The variant ``name`` of this loop; a ValueError naming the known ones otherwise."""
+        v = self.variants.get(name)
+        if v is None:
+            raise ValueError(f"variant: {name!r} is not one of this loop's: {', '.join(self.variants)}")
+        return v
+
     def _shadow_batch(self, v: Variant, lens: np.ndarray) -> DecodeBatch:
         """The runner's decode batch for this step (host data from ``lens``, the CPU shadow)."""
         if v.exact_shadow:
@@ -275,7 +282,7 @@ class DecodeLoop:
 
     def prepare(self, name: str) -> None:
         """Build once, run the step eagerly, then (CUDA) capture it in a graph."""
-        v = self.variants[name]
+        v = self._variant(name)
         if name in self._graphs:
             return
         self.model.reset()
@@ -322,7 +329,7 @@ class DecodeLoop:
             raise ValueError(f"steps: must lie in (0, max_steps={self.max_steps}], got {steps}")
         if not 0.0 <= before <= 1.0:
             raise ValueError(f"before: must lie in [0, 1], got {before}")
-        v = self.variants[name]
+        v = self._variant(name)
         self.prepare(name)
         self.model.reset()
         lens = self.start_lens.copy()
