@@ -2,7 +2,10 @@
 bound-insensitivity, timing against our Triton top-k and torch.topk. One script, never aborts on
 one failing case (prints the error and goes on); JSON to $OUT/cuda_topk_check.json when $OUT is set.
 
-    python benchmarks/cuda_topk_check.py [--variants 1024x4,1024x2,512x4,512x8] [--quick]
+    python benchmarks/cuda_topk_check.py [--variants 1024x4,1024x2,512x4,512x8,c1,c2,c4,c8,cauto] [--quick]
+
+A variant is ``THREADSxVEC`` (one CTA per row) or ``cN`` / ``cauto`` (the cluster route, sm_90+:
+N CTAs per row, or the planner's choice).
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 import traceback
@@ -72,7 +76,31 @@ def guarded(name):
     return wrap
 
 
+def tag(variant) -> str:
+    return variant if isinstance(variant, str) else f"{variant[0]}x{variant[1]}"
+
+
+def parse_variant(text: str):
+    if text.startswith("c"):
+        return text
+    return tuple(int(p) for p in text.split("x"))
+
+
+def cluster_args(variant: str) -> dict:
+    """``cN``, ``cNtT`` (T threads per CTA), ``cauto``: the cluster route's size and threads."""
+    m = re.fullmatch(r"c(\d+|auto)(?:t(\d+))?", variant)
+    if not m:
+        raise ValueError(f"variant {variant!r}: THREADSxVEC, cN, cNtT or cauto")
+    return dict(cluster=None if m[1] == "auto" else int(m[1]), threads=int(m[2] or 1024))
+
+
 def launch(x, lens, out, k=K, width=None, active=None, nan_low=True, variant=(1024, 4), cap=8192):
+    if isinstance(variant, str):
+        cuda_topk.launch_cuda_topk_cluster(
+            x, x.stride(0), lens, active, out, k, x.shape[1] if width is None else width,
+            nan_low=nan_low, cap=None if cap == 8192 else max(4, cap), **cluster_args(variant),
+        )
+        return out
     cuda_topk.launch_cuda_topk(
         x,
         x.stride(0),
@@ -142,7 +170,8 @@ def check_exact(
     # element-for-element against the emulation on a few rows
     xc, lc = x[:emulate_rows].cpu(), lens[:emulate_rows].cpu()
     emu_out = emu.topk_indices(
-        xc, lc, k, active_width=None if act is None else act.cpu(), tile=variant[0] * 4 * variant[1], cap=cap
+        xc, lc, k, active_width=None if act is None else act.cpu(),
+        tile=16384 if isinstance(variant, str) else variant[0] * 4 * variant[1], cap=cap,
     )
     order_ok = torch.equal(out[:emulate_rows].cpu(), emu_out)
     name = (f"{kind} rows={rows} width={width} var={variant} cap={cap} act={active} "
@@ -162,7 +191,7 @@ def check_exact(
 def exactness(variants):
     log("== exactness (set vs torch reference; order vs the emulation) ==")
     for variant in variants:
-        tile = variant[0] * 4 * variant[1]
+        tile = 16384 if isinstance(variant, str) else variant[0] * 4 * variant[1]
         for kind in ("randn", "ties", "allsame", "close", "inf_nan", "ascending", "relu_like"):
             check_exact(kind, 3, 40000, [40000, 30000, 2100], variant)
             check_exact(kind, 2, tile, [tile, tile - 3], variant)  # one tile, in registers
@@ -176,7 +205,13 @@ def exactness(variants):
         check_exact("randn", 2, 131072, [131072, 100000], variant)
         check_exact("randn", 2, 20000, [20000, 20000], variant, k=512)
         check_exact("randn", 2, 20000, [20000, 20000], variant, k=1)
-    check_exact("randn", 2, 20000, [20000, 20000], variants[0], cap=53248)  # > 48 KB dynamic smem
+        if isinstance(variant, str):  # keys past the shared-memory cap come from global memory
+            check_exact("ties", 3, 70000, [70000, 65537, 9999], variant, cap=1000)
+            check_exact("randn", 3, 70000, [70000, 65537, 9999], variant, cap=4)
+    for v in variants:
+        if not isinstance(v, str):  # the one-CTA kernel's candidate list past 48 KB of shared memory
+            check_exact("randn", 2, 20000, [20000, 20000], v, cap=53248)
+            break
 
 
 @guarded("nan_low_off")
@@ -217,13 +252,14 @@ def check_capture(variant):
         before = torch.cuda.memory_allocated()
         g.replay()
         torch.cuda.synchronize()
+        no_alloc = torch.cuda.memory_allocated() == before  # before the checks allocate
         want = ref.topk_indices(x, lens, K, active_width=act)
         eager = launch(x, lens, torch.empty_like(out), active=act, variant=variant)
         torch.cuda.synchronize()
         oks.append(
             torch.equal(out.sort(1).values, want.sort(1).values)
             and torch.equal(out, eager)
-            and torch.cuda.memory_allocated() == before
+            and no_alloc
         )
     ok = all(oks)
     log(f"  {'ok  ' if ok else 'FAIL'} capture+replay with new data/lengths/active width {variant}: {oks}")
@@ -263,30 +299,42 @@ def time_shape(B, L, variants, ncalls):
     out = torch.empty(B, K, dtype=torch.int32, device=DEV)
     res = dict(B=B, L=L, calls_per_graph=ncalls)
     exact = [x[:, :L] for x in xs]  # row stride 128K: the same memory, exact host width L
+    timed = list(variants)
     for v in variants:
-        tag = f"{v[0]}x{v[1]}"
-        res[f"cuda_{tag}_us"] = timeit(
+        log(f"  timing {tag(v)} B={B} L={L}")
+        res[f"cuda_{tag(v)}_us"] = timeit(
             [lambda i=i, v=v: launch(exact[i % copies], lens, out, width=L, variant=v) for i in range(ncalls)]
         )
-        res[f"cuda_{tag}_wide_us"] = timeit(
+        res[f"cuda_{tag(v)}_wide_us"] = timeit(
             [lambda i=i, v=v: launch(xs[i % copies], lens, out, width=WIDE, variant=v) for i in range(ncalls)]
         )
         got = launch(exact[0], lens, torch.empty_like(out), width=L, variant=v)
         want = torch.topk(exact[0], K, dim=1).indices.int()  # randn: no ties in practice
-        res[f"cuda_{tag}_check"] = "ok" if torch.equal(got.sort(1).values, want.sort(1).values) else "differs"
-    best = min(variants, key=lambda v: res[f"cuda_{v[0]}x{v[1]}_us"])
-    res["cuda_best"] = f"{best[0]}x{best[1]}"
+        res[f"cuda_{tag(v)}_check"] = "ok" if torch.equal(got.sort(1).values, want.sort(1).values) else "differs"
+    best = min(timed, key=lambda v: res[f"cuda_{tag(v)}_us"])
+    res["cuda_best"] = tag(best)
+    if "cauto" in variants:
+        plan = cuda_topk.cluster_plan_for(exact[0], B, L)
+        res["cauto_size"] = plan.cluster if plan else None
+        res["cauto_cap"] = plan.cap if plan else None
+        plan = cuda_topk.cluster_plan_for(exact[0], B, WIDE)
+        res["cauto_wide_size"] = plan.cluster if plan else None
+        res["cauto_wide_cap"] = plan.cap if plan else None
     res["cuda_us"] = res[f"cuda_{res['cuda_best']}_us"]
-    res["cuda_wide_over_exact"] = res[f"cuda_{res['cuda_best']}_wide_us"] / res["cuda_us"]
+    wide = res.get(f"cuda_{res['cuda_best']}_wide_us")
+    res["cuda_wide_over_exact"] = wide / res["cuda_us"] if wide else None
+    if "cauto" in timed:
+        res["cauto_us"] = res["cuda_cauto_us"]
+        res["cauto_wide_over_exact"] = res["cuda_cauto_wide_us"] / res["cuda_cauto_us"]
     try:
         ws = IndexerTopkWorkspace(B, K, 0, DEV)
         dense = [x[:, :L].contiguous() for x in xs[:2]]
-        res["triton_us"] = timeit(
+        res["route_us"] = timeit(
             [lambda i=i: tk.topk_indices(dense[i % 2], lens, K, workspace=ws, out=out) for i in range(ncalls)]
         )
-        res["triton_route"] = ws.route(B, L, 1, score=False).kind
+        res["route"] = ws.route(B, L, 1, score=False).kind
     except Exception as exc:
-        res["triton_error"] = f"{type(exc).__name__}: {exc}"
+        res["route_error"] = f"{type(exc).__name__}: {exc}"
     res["torch_topk_us"] = timeit(
         [lambda i=i: torch.topk(exact[i % copies], K, dim=1) for i in range(min(ncalls, 8))]
     )
@@ -301,7 +349,8 @@ def time_shape(B, L, variants, ncalls):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--variants", default=",".join(f"{t}x{v}" for t, v in cuda_topk.VARIANTS))
+    ap.add_argument("--variants", default=",".join(
+        [f"{t}x{v}" for t, v in cuda_topk.VARIANTS] + [f"c{c}" for c in cuda_topk.CLUSTER_SIZES] + ["cauto"]))
     ap.add_argument("--shapes", default="")
     ap.add_argument("--quick", action="store_true", help="first variant only in the exactness checks")
     ap.add_argument("--ncalls", type=int, default=16)
@@ -309,7 +358,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         print("error: needs a CUDA device", file=sys.stderr)
         sys.exit(2)
-    variants = [tuple(int(p) for p in s.split("x")) for s in a.variants.split(",")]
+    variants = [parse_variant(s) for s in a.variants.split(",")]
     ok, why = cuda_topk.status()
     RESULTS["meta"] = dict(
         device=torch.cuda.get_device_name(0),
@@ -338,7 +387,7 @@ def main() -> None:
     exactness(variants[:1] if a.quick else variants)
     check_scorer_nan()
     log("== capture / sync ==")
-    for v in variants[:2]:
+    for v in variants[:2] + [v for v in variants[2:] if v in ("c8", "cauto")]:
         check_capture(v)
     check_no_sync(variants[0])
     log("== timing (us, CUDA-graph replays; k=2048; L = live length; wide = 128K host width) ==")
@@ -350,16 +399,19 @@ def main() -> None:
             rows.append(r)
             log(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()}))
     RESULTS["timing"] = rows
-    hdr = (f"{'B':>4} {'L':>7} {'cuda':>7} {'best':>7} {'wide/ex':>7} {'triton':>7} {'torch':>7} "
-           f"{'peer':>6} {'cuda/peer':>9}")
+    hdr = (f"{'B':>4} {'L':>7} {'cuda':>7} {'best':>7} {'wide/ex':>7} {'auto':>7} {'c':>2} {'auto w/e':>8} "
+           f"{'route':>7} {'torch':>7} {'peer':>6} {'best/peer':>9} {'auto/peer':>9}")
     log(hdr)
     for r in rows:
-        f = lambda v, fmt="{:7.1f}": fmt.format(v) if isinstance(v, (int, float)) else f"{'-':>7}"  # noqa: E731
+        f = lambda v, fmt="{:7.1f}": fmt.format(v) if isinstance(v, (int, float)) else f"{'-':>{len(fmt.format(0))}}"  # noqa: E731
+        peer = r.get("best_peer_us")
         log(
             f"{r['B']:>4} {r['L']:>7} {f(r.get('cuda_us'))} {r.get('cuda_best', '-'):>7} "
-            f"{f(r.get('cuda_wide_over_exact'), '{:7.3f}')} {f(r.get('triton_us'))} "
-            f"{f(r.get('torch_topk_us'))} "
-            f"{f(r.get('best_peer_us'), '{:6.1f}')} {f(r.get('cuda_over_peer'), '{:9.2f}')}"
+            f"{f(r.get('cuda_wide_over_exact'), '{:7.3f}')} {f(r.get('cauto_us'))} "
+            f"{r.get('cauto_size') or '-':>2} {f(r.get('cauto_wide_over_exact'), '{:8.3f}')} "
+            f"{f(r.get('route_us'))} {f(r.get('torch_topk_us'))} {f(peer, '{:6.1f}')} "
+            f"{f(r.get('cuda_over_peer'), '{:9.2f}')} "
+            f"{f(r['cauto_us'] / peer if peer and r.get('cauto_us') else None, '{:9.2f}')}"
         )
     finish()
 

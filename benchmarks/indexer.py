@@ -140,6 +140,12 @@ def bench_ours(inp: Inputs, ncalls: int, config, res: dict, algos: tuple[str, ..
         ws_u = IndexerTopkWorkspace(B, TOPK, WIDE, DEV, config=config.with_values(**{"fused.enabled": False}))
         res["step_unfused_us"] = timeit(lambda i: lambda: tk.indexer_topk(
             *inp.args(i), TOPK, width=L, workspace=ws_u, out=out), ncalls)
+    elif config.fused.enabled and B <= config.fused.max_rows:  # the fused step the planner passed over
+        ws_f = IndexerTopkWorkspace(max(B, SERVING_ROWS), TOPK, WIDE, DEV,
+                                    config=config.with_values(**{"topk.cuda_cluster": False}))
+        if ws_f.route(B, L, PAGE).fused:
+            res["step_fused_us"] = timeit(lambda i: lambda: tk.indexer_topk(
+                *inp.args(i), TOPK, width=L, workspace=ws_f, out=out), ncalls)
     res["step_wide_host_us"] = timeit(lambda i: step(i, WIDE), ncalls)
     res["step_wide_active_us"] = timeit(lambda i: step(i, WIDE, active), ncalls)
     # top-k alone, on dense logits of width L (rotated copies)
@@ -273,7 +279,7 @@ def derive(res: dict, bw: float) -> dict:
 
 
 COLS = [("B", "{}"), ("L", "{}"), ("route", "{}"), ("scorer_us", "{:.1f}"), ("topk_us", "{:.1f}"),
-        ("step_us", "{:.1f}"), ("step_unfused_us", "{:.1f}"),
+        ("step_us", "{:.1f}"), ("step_unfused_us", "{:.1f}"), ("step_fused_us", "{:.1f}"),
         ("scorer_tbs", "{:.2f}"), ("scorer_pct_copy", "{:.0f}"), ("wide_over_exact", "{:.3f}"),
         ("scorer_fp8_us", "{:.1f}"), ("step_fp8_us", "{:.1f}"), ("topk_sample_us", "{:.1f}"),
         ("topk_cuda_radix_us", "{:.1f}"),

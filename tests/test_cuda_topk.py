@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from hypothesis import given
@@ -92,6 +94,52 @@ def test_emulation_selects_the_reference_set(case):
             assert (got[r, :na].diff() > 0).all() and (got[r, na:].diff() > 0).all()
 
 
+@given(rows_case(), st.sampled_from(cuda_topk.CLUSTER_SIZES), st.sampled_from([1, 2, 16, 32]))
+def test_the_cluster_split_writes_the_one_cta_order(case, cluster, warps):
+    """Chunks per CTA and segments per warp (the cluster route's collect) cover every position
+    once and keep the specification's order, element for element."""
+    x, lens, k, active, _, _ = case
+    eff = ref.effective_lengths(lens, x.shape[1], active)
+    for r, n in enumerate(eff.tolist()):
+        want = emu.topk_row(x[r, :n], k)
+        assert torch.equal(emu.cluster_topk_row(x[r, :n], k, cluster, warps=warps), want)
+
+
+def test_cluster_chunks_and_segments():
+    assert emu.cluster_chunks(10, 4) == [(0, 4), (4, 4), (8, 2), (12, 0)]
+    assert emu.cluster_chunks(65536, 8) == [(8192 * r, 8192) for r in range(8)]
+    assert emu.warp_segments(300, 32) == [(0, 128), (128, 256), (256, 300)] + [(128 * w, 300) for w in range(3, 32)]
+    for n, c in [(0, 2), (3, 8), (2049, 4), (131071, 8)]:
+        assert sum(length for _, length in emu.cluster_chunks(n, c)) == n
+        assert all(lo % 4 == 0 for lo, _ in emu.cluster_chunks(n, c))  # float4 loads stay aligned
+
+
+H200_SMEM = 232448 - 1024  # opt-in shared memory less the kernel's static share
+
+
+def test_plan_cluster_table():
+    plan = lambda rows, width: cuda_topk.plan_cluster(rows, width, 132, H200_SMEM)  # noqa: E731
+    table = {  # (rows, width): (CTAs per row, keys per CTA)
+        (1, 4096): (8, 512), (1, 65536): (8, 8192), (1, 131072): (8, 16384), (8, 65536): (8, 8192),
+        (16, 65536): (4, 16384), (32, 16384): (2, 8192), (32, 65536): (2, 32768),
+        (64, 65536): (2, 32768), (64, 131072): (2, 46592), (128, 8192): (1, 8192),
+        (128, 131072): (1, 51712), (1000, 8192): (1, 8192),
+    }
+    for (rows, width), want in table.items():
+        got = plan(rows, width)
+        assert (got.cluster, got.cap) == want, (rows, width, got)
+        assert got.smem <= H200_SMEM and got.cap % 4 == 0
+    # the bound sets capacity, never the size: a wide bound keeps the cluster size
+    assert plan(8, 4096).cluster == plan(8, 131072).cluster
+    assert cuda_topk.plan_cluster(0, 4096, 132, H200_SMEM) is None
+    assert cuda_topk.plan_cluster(70000, 4096, 132, H200_SMEM) is None
+    assert cuda_topk.plan_cluster(4, 4096, 132, H200_SMEM, cluster=2).cluster == 2
+    with pytest.raises(ValueError, match="cluster size"):
+        cuda_topk.plan_cluster(4, 4096, 132, H200_SMEM, cluster=3)
+    # more CTAs than SMs: 512-thread CTAs share an SM, so each keeps half the keys
+    assert cuda_topk.plan_cluster(300, 131072, 132, H200_SMEM, threads=512).cap < plan(300, 131072).cap
+
+
 def test_emulation_is_deterministic_and_storage_blind():
     gen = torch.Generator().manual_seed(0)
     x = torch.randint(0, 3, (3, 5000), generator=gen).float()
@@ -131,9 +179,14 @@ def test_kernel_source_compiles_for_sm90(output):
         for threads, vec in cuda_topk.VARIANTS:
             for aligned in (True, False):
                 assert f".entry {cuda_topk.kernel_name(threads, vec, aligned)}" in text
+        for cluster in cuda_topk.CLUSTER_SIZES:
+            for aligned, threads in itertools.product((True, False), cuda_topk.CLUSTER_THREADS):
+                assert f".entry {cuda_topk.cluster_kernel_name(cluster, aligned, threads)}" in text
+                assert ".reqnctapercluster" in text  # compiled cluster dims: a plain launch clusters
     else:
         spills = [line for line in log.splitlines() if "spill" in line]
-        assert len(spills) == 2 * len(cuda_topk.VARIANTS), log  # ptxas -v: one line per kernel
+        kernels = 2 * (len(cuda_topk.VARIANTS) + len(cuda_topk.CLUSTER_SIZES) * len(cuda_topk.CLUSTER_THREADS))
+        assert len(spills) == kernels, log  # ptxas -v: one line per kernel
         assert all("0 bytes spill stores, 0 bytes spill loads" in line for line in spills), log
 
 

@@ -25,10 +25,20 @@ DEV = "cuda"
 K = 2048
 
 
-def _launch(x, lens, out, active=None, k=K):
-    from vllm_sparse_sync.kernels.cuda_topk import launch_cuda_topk
+ROUTES = ["cta", 1, 2, 4, 8, "auto"]
+"""the one-CTA-per-row kernel, then the cluster route with N CTAs per row or the planner's size"""
 
-    launch_cuda_topk(x, x.stride(0), lens, active, out, k, x.shape[1])
+
+def _launch(x, lens, out, active=None, k=K, route="cta", cap=None):
+    from vllm_sparse_sync.kernels.cuda_topk import launch_cuda_topk, launch_cuda_topk_cluster
+
+    if route == "cta":
+        launch_cuda_topk(x, x.stride(0), lens, active, out, k, x.shape[1])
+    else:
+        if torch.cuda.get_device_capability() < (9, 0):
+            pytest.skip("the cluster route needs sm_90+")
+        launch_cuda_topk_cluster(x, x.stride(0), lens, active, out, k, x.shape[1],
+                                 cluster=None if route == "auto" else route, cap=cap)
     return out
 
 
@@ -36,8 +46,9 @@ def _sets(t):
     return t.sort(1).values
 
 
+@pytest.mark.parametrize("route", ROUTES)
 @pytest.mark.parametrize("ties", [False, True])
-def test_exact_sets_on_every_length(ties):
+def test_exact_sets_on_every_length(ties, route):
     g = torch.Generator(device=DEV).manual_seed(3)
     lens = [0, 1, 100, K - 1, K, K + 1, 5000, 65536, 131072, 70001]
     x = torch.randn(len(lens), 131072, device=DEV, generator=g)
@@ -45,9 +56,13 @@ def test_exact_sets_on_every_length(ties):
         x = x.round(decimals=0)
     row_lens = torch.tensor(lens, dtype=torch.int32, device=DEV)
     for active in (None, torch.tensor([60000], dtype=torch.int32, device=DEV)):
-        got = _launch(x, row_lens, torch.empty(len(lens), K, dtype=torch.int32, device=DEV), active)
+        got = _launch(x, row_lens, torch.empty(len(lens), K, dtype=torch.int32, device=DEV), active,
+                      route=route)
         want = ref.topk_indices(x, row_lens, K, active_width=active)
         assert torch.equal(_sets(got), _sets(want))
+        # every route writes the same order: above the k-th key by position, then its ties
+        one_cta = _launch(x, row_lens, torch.empty_like(got), active)
+        assert torch.equal(got, one_cta)
 
 
 def test_the_default_route_for_many_rows_is_the_cuda_top_k_and_is_exact():
@@ -68,18 +83,49 @@ def test_the_default_route_for_many_rows_is_the_cuda_top_k_and_is_exact():
     assert topk_violations(got, dense, eff, K, tol=tol) == []
 
 
-def test_capture_then_replay_with_new_lengths_and_width():
+@pytest.mark.parametrize("threads", [1024, 512])
+@pytest.mark.parametrize("cluster", [1, 2, 4, 8])
+def test_every_cluster_launch_size_runs(cluster, threads):
+    """Every shared-memory size the planner can ask for launches (48 KB and up need the opt-in,
+    the kernel's static share included), and writes the one-CTA kernel's output."""
+    from vllm_sparse_sync.kernels.cuda_topk import launch_cuda_topk_cluster
+
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("the cluster route needs sm_90+")
+    g = torch.Generator(device=DEV).manual_seed(cluster)
+    for width in (2500, 4096, 8192, 12000, 16384, 65536, 131072):
+        x = torch.randn(2, width, device=DEV, generator=g)
+        lens = torch.tensor([width, width // 2], dtype=torch.int32, device=DEV)
+        got = torch.empty(2, K, dtype=torch.int32, device=DEV)
+        launch_cuda_topk_cluster(x, x.stride(0), lens, None, got, K, width, cluster=cluster, threads=threads)
+        assert torch.equal(got, _launch(x, lens, torch.empty_like(got))), width
+
+
+@pytest.mark.parametrize("route", [1, 4])
+@pytest.mark.parametrize("cap", [4, 1000, 6000])
+def test_cluster_chunks_longer_than_shared_memory_read_the_rest_from_global(route, cap):
+    g = torch.Generator(device=DEV).manual_seed(cap + route)
+    lens = [0, K, K + 1, 5000, 23999, 24000]
+    x = torch.randn(len(lens), 24000, device=DEV, generator=g)
+    x[1::2] = x[1::2].round(decimals=0)  # ties across the shared/global boundary
+    row_lens = torch.tensor(lens, dtype=torch.int64, device=DEV)
+    got = _launch(x, row_lens, torch.empty(len(lens), K, dtype=torch.int32, device=DEV), route=route, cap=cap)
+    assert torch.equal(got, _launch(x, row_lens, torch.empty_like(got)))
+
+
+@pytest.mark.parametrize("route", ["cta", 8, "auto"])
+def test_capture_then_replay_with_new_lengths_and_width(route):
     rows, width = 8, 65536
     g = torch.Generator(device=DEV).manual_seed(11)
     x = torch.randn(rows, width, device=DEV, generator=g)
     lens = torch.full((rows,), width, dtype=torch.int32, device=DEV)
     act = torch.tensor([width], dtype=torch.int32, device=DEV)
     out = torch.empty(rows, K, dtype=torch.int32, device=DEV)
-    _launch(x, lens, out, act)
+    _launch(x, lens, out, act, route=route)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        _launch(x, lens, out, act)
+        _launch(x, lens, out, act, route=route)
     for seed, new_lens, a in [(1, [65536, 100, 0, 2048, 2049, 40000, 65535, 30000], 65536),
                               (2, [65536] * 8, 50000), (3, [5000] * 8, 4000)]:
         x.copy_(torch.randn(rows, width, device=DEV, generator=g).round(decimals=1 if seed == 2 else 4))
@@ -88,15 +134,17 @@ def test_capture_then_replay_with_new_lengths_and_width():
         graph.replay()
         want = ref.topk_indices(x, lens, K, active_width=act)
         assert torch.equal(_sets(out), _sets(want)), seed
-        eager = _launch(x, lens, torch.empty_like(out), act)
+        eager = _launch(x, lens, torch.empty_like(out), act, route=route)
         assert torch.equal(out, eager), seed  # deterministic order too
 
 
-def test_no_host_sync():
+@pytest.mark.parametrize("route", ["cta", "auto", 8])
+def test_no_host_sync(route):
     from vllm_sparse_sync.testing import check_step
 
     x = torch.randn(40, 16384, device=DEV)
     lens = torch.full((40,), 16384, dtype=torch.int32, device=DEV)
     out = torch.empty(40, K, dtype=torch.int32, device=DEV)
-    check = check_step(lambda: _launch(x, lens, out), where="cuda top-k")
+    _launch(x, lens, out, route=route)  # compile and load outside the check
+    check = check_step(lambda: _launch(x, lens, out, route=route), where="cuda top-k")
     assert check.ran and not check.records

@@ -145,6 +145,30 @@ def test_cuda_radix_route_where_the_device_can_run_it():
     assert plan_route(128, K64, 64, h200_nvrtc, never).kind == SAMPLE
 
 
+def test_cuda_radix_takes_the_cluster_route_on_sm90():
+    from vllm_sparse_sync.kernels.route import CUDA_RADIX
+
+    hopper = DeviceInfo(num_sms=132, cuda_topk=True, cluster_smem=232448 - 1024)
+    # "auto": every call, whatever the row count, with the planner's cluster size and capacity
+    assert plan_route(64, K64, 64, hopper, score=False) == Route(
+        CUDA_RADIX, 64, topk_chunks=2, topk_cluster=2, topk_cap=32768)
+    assert plan_route(1, K64, 64, hopper, score=False) == Route(
+        CUDA_RADIX, 1, topk_chunks=8, topk_cluster=8, topk_cap=8192)
+    assert plan_route(4, 4096, 64, hopper, score=False).kind == CUDA_RADIX
+    # scored calls too: the scorer, then the cluster top-k, instead of the fused step
+    assert plan_route(1, 4096, 64, hopper) == Route(
+        CUDA_RADIX, 1, score_splits=132 * DEFAULT_CONFIG.scorer.ctas_per_sm, topk_chunks=8, topk_cluster=8,
+        topk_cap=512)
+    assert plan_route(1, 4096, 64, hopper, KernelConfig(topk=TopkConfig(cuda_cluster=False))).kind == FUSED
+    assert plan_route(1, 4096, 64, hopper, KernelConfig(topk=TopkConfig(algo="radix"))).kind == FUSED
+    # off: the one-CTA kernel from cuda_min_rows rows up, as before sm_90
+    off = KernelConfig(topk=TopkConfig(cuda_cluster=False))
+    assert plan_route(64, K64, 64, hopper, off, score=False) == Route(CUDA_RADIX, 64, topk_chunks=1)
+    assert plan_route(4, 4096, 64, hopper, off, score=False).kind == RADIX
+    with pytest.raises(ValueError, match="cuda_cluster"):
+        TopkConfig(cuda_cluster=1)
+
+
 def test_cuda_radix_config_checks():
     with pytest.raises(ValueError, match="cuda_threads"):
         TopkConfig(cuda_threads=256)

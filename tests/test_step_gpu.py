@@ -39,10 +39,13 @@ def _set(t):
 def test_a_small_call_on_a_serving_size_workspace_takes_the_fused_route():
     k, width = 2048, 131072
     case = make_case([65536], heads=64, table_pages=width // 64, device=DEV, seed=1)
-    big = _ws(256, k, width)
+    if _ws(1, k, width).device_info().cluster_smem:  # sm_90+: scorer, then the cluster top-k
+        assert _ws(256, k, width).route(1, width, 64).kind == "cuda_radix"
+    big = _ws(256, k, width, **{"topk.cuda_cluster": False})
     assert big.route(1, width, 64).fused
     got = _ops().indexer_topk(*case.args, k, width=width, workspace=big)
-    small = _ops().indexer_topk(*case.args, k, width=width, workspace=_ws(1, k, width))
+    small = _ops().indexer_topk(*case.args, k, width=width,
+                                workspace=_ws(1, k, width, **{"topk.cuda_cluster": False}))
     assert _set(got[0]) == _set(small[0])
     logits = ref.paged_indexer_logits(*case.args, width)
     assert topk_violations(got, logits, ref.effective_lengths(case.row_lens, width), k, tol=1e-3) == []
@@ -76,7 +79,10 @@ def test_write_index_k_cache_skips_slots_past_the_cache_like_the_reference():
 def test_a_stalled_fused_row_is_marked_and_reported():
     k, width = 512, 8192
     layout = IndexerLayout(backend="deepgemm", topk=k, max_model_len=width)
-    step = IndexerStep(layout, max_rows=4, max_pages_per_req=width // 64, device=DEV)
+    from vllm_sparse_sync.kernels.config import DEFAULT_CONFIG
+
+    fused = DEFAULT_CONFIG.with_values(**{"topk.cuda_cluster": False})  # sm_90+ would not fuse
+    step = IndexerStep(layout, max_rows=4, max_pages_per_req=width // 64, device=DEV, config=fused)
     builder = IndexerMetadataBuilder(layout, max_num_reqs=4, max_num_tokens=4,
                                      max_pages_per_req=width // 64, device=DEV)
     lens = torch.tensor([8000, 6000], dtype=torch.int32)

@@ -59,9 +59,9 @@ class TopkConfig:
 
     algo: str = "auto"
     """"radix", "sample", "cuda_radix" (the NVRTC-compiled CUDA kernel, ``cuda_topk``, where the
-    device and compiler allow it, else what "auto" picks), or "auto": "cuda_radix" from
-    ``cuda_min_rows`` rows up where it can run, else "sample" from ``sample_min_rows`` rows up,
-    else "radix" (static counts)."""
+    device and compiler allow it, else what "auto" picks), or "auto": "cuda_radix" where it can
+    run (every call on sm_90+ with ``cuda_cluster``, else from ``cuda_min_rows`` rows up), else
+    "sample" from ``sample_min_rows`` rows up, else "radix" (static counts)."""
     block: int = 1024
     """Scores per iteration."""
     warps: int = 4
@@ -70,7 +70,11 @@ class TopkConfig:
     """Most programs per row."""
     sample_min_rows: int = 32
     cuda_min_rows: int = 32
-    """"auto": rows from which the CUDA top-k (one CTA per row) runs, where it can; 0: never."""
+    """"auto": rows from which the one-CTA-per-row CUDA top-k runs, where it can and the cluster
+    route cannot; 0: never."""
+    cuda_cluster: bool = True
+    """"cuda_radix" on sm_90+: thread-block clusters of several CTAs per row (sized by the route
+    planner, ``cuda_topk.plan_cluster``), taken by "auto" for every call."""
     cap: int = 8192
     """"sample": most candidates per row."""
     sample_above: int = 4096
@@ -99,6 +103,8 @@ class TopkConfig:
         if (self.cuda_threads, self.cuda_vec) not in ((1024, 4), (1024, 2), (512, 4), (512, 8)):
             raise ValueError("topk.cuda_threads/cuda_vec: one of (1024, 4), (1024, 2), (512, 4), (512, 8), "
                              f"got {(self.cuda_threads, self.cuda_vec)!r}")
+        if not isinstance(self.cuda_cluster, bool):
+            raise ValueError(f"topk.cuda_cluster: True or False, got {self.cuda_cluster!r}")
         if not _is_int(self.cuda_min_rows) or self.cuda_min_rows < 0:
             raise ValueError(f"topk.cuda_min_rows: an int >= 0 (0: never), got {self.cuda_min_rows!r}")
         if not _is_int(self.cuda_cap) or not 0 <= self.cuda_cap <= 53248:

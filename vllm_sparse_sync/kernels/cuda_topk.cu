@@ -318,3 +318,351 @@ TOPK_KERNEL(512, 4, 1)
 TOPK_KERNEL(512, 4, 0)
 TOPK_KERNEL(512, 8, 1)
 TOPK_KERNEL(512, 8, 0)
+
+// ---------------------------------------------------------------------------------------------
+// Cluster route (sm_90+): C CTAs of one thread-block cluster share a row. The same passes, tie
+// rule and output as topk_row above (cuda_topk_emu.py stays the specification); only where keys
+// live changes:
+//
+//   split    the live prefix n is cut on the device into C chunks of `chunk` = ceil(n / C)
+//            rounded up to 4 positions; CTA r (its cluster rank) owns positions
+//            [r * chunk, min(n, (r + 1) * chunk)). The first `cap` keys of the chunk are read once
+//            into shared memory; the rest (a chunk longer than the host sized for) are read from
+//            global memory again on each pass: exact whatever the length, fast up to `cap`.
+//   passes   each CTA counts its chunk into a local histogram, then adds its nonzero bins into
+//            the pass's histogram of every CTA of the cluster (distributed shared memory
+//            reductions: traffic follows the occupied bins, not the bin count); after a cluster
+//            barrier every CTA holds the same totals and resolves the same prefix, need and early
+//            exit. Each pass has its own target histogram, cleared before a split barrier at the
+//            start, so no pass clears memory another CTA may still write.
+//   collect  each warp counts the above and tie keys of its contiguous segment of the chunk and
+//            lists their positions; every CTA writes its totals into the higher ranks' slots;
+//            after a barrier each warp starts its writes at the sums over lower ranks and lower
+//            warps and places its listed positions with ballots (a second pass over the segment
+//            when its list overflowed): the output order of topk_row. No remote access follows
+//            that barrier.
+//
+// Dynamic shared memory (words): hist[2048]; for C > 1 the targets glob0[2048], glob1[2048],
+// glob2[1024]; the warps' position lists list[4096]; then keys[cap], cap a multiple of 4. Nothing global beyond the output: a launch
+// replays in a CUDA graph as is.
+// ---------------------------------------------------------------------------------------------
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
+
+__device__ __forceinline__ u32 cl_rank() {
+    u32 r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+}
+
+__device__ __forceinline__ void cl_arrive() {
+    asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+}
+
+__device__ __forceinline__ void cl_wait() {
+    asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+__device__ __forceinline__ void cl_sync() {
+    cl_arrive();
+    cl_wait();
+}
+
+// the address of this CTA's shared word `p` in CTA `rank` of the cluster
+__device__ __forceinline__ u32 cl_map(const u32* p, u32 rank) {
+    u32 local = (u32)__cvta_generic_to_shared(p), remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
+    return remote;
+}
+
+__device__ __forceinline__ void cl_add(const u32* p, u32 rank, u32 v) {
+    asm volatile("red.relaxed.cluster.shared::cluster.add.u32 [%0], %1;" ::"r"(cl_map(p, rank)), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ void cl_store(const u32* p, u32 rank, u32 v) {
+    asm volatile("st.shared::cluster.u32 [%0], %1;" ::"r"(cl_map(p, rank)), "r"(v) : "memory");
+}
+
+// add the nonzero bins of the local histogram into `glob` of every CTA, then a cluster barrier
+template <int C, int THREADS>
+__device__ __forceinline__ void cl_push_hist(const u32* hist, u32* glob, int nbins) {
+    for (int b = threadIdx.x; b < nbins; b += THREADS) {
+        const u32 v = hist[b];
+        if (v != 0u) {
+#pragma unroll
+            for (int r = 0; r < C; ++r) cl_add(glob + b, (u32)r, v);
+        }
+    }
+    cl_sync();
+}
+
+// keys of positions i..i+3 of the chunk (0 at or past lim); x points at the chunk's first position
+template <bool ALIGNED>
+__device__ __forceinline__ uint4 chunk_keys4(const float* __restrict__ x, int i, int lim, int nan_low) {
+    if (ALIGNED && i + 4 <= lim) {
+        const float4 v = __ldg(reinterpret_cast<const float4*>(x + i));
+        return make_uint4(order_key(v.x, nan_low), order_key(v.y, nan_low), order_key(v.z, nan_low),
+                          order_key(v.w, nan_low));
+    }
+    uint4 q;
+    q.x = i + 0 < lim ? order_key(__ldg(x + i + 0), nan_low) : 0u;
+    q.y = i + 1 < lim ? order_key(__ldg(x + i + 1), nan_low) : 0u;
+    q.z = i + 2 < lim ? order_key(__ldg(x + i + 2), nan_low) : 0u;
+    q.w = i + 3 < lim ? order_key(__ldg(x + i + 3), nan_low) : 0u;
+    return q;
+}
+
+// the chunk's key at position i: shared memory below lim, global memory from lim on
+__device__ __forceinline__ u32 key_at(const u32* keys, int lim, const float* __restrict__ x, int nan_low,
+                                      int i) {
+    return i < lim ? keys[i] : order_key(__ldg(x + i), nan_low);
+}
+
+// the chunk's keys at positions p..p+3 (p a multiple of 4; 0 at or past len): shared memory
+// below lim (filled to a multiple of 4), global memory from lim on (lim < len only at cap, a
+// multiple of 4)
+template <bool ALIGNED>
+__device__ __forceinline__ uint4 chunk_keys4_at(const u32* keys, int lim, int len, const float* __restrict__ x,
+                                                int nan_low, int p) {
+    if (p < lim) return *reinterpret_cast<const uint4*>(keys + p);
+    return chunk_keys4<ALIGNED>(x, p, len, nan_low);
+}
+
+// f(i, key) for every position i of [0, len) with i = tid (mod THREADS), shared-memory keys read
+// U at a time (independent loads in flight), then the global tail
+template <int THREADS, int U, typename F>
+__device__ __forceinline__ void sweep(const u32* keys, int lim, int len, const float* __restrict__ x,
+                                      int nan_low, int tid, F f) {
+    int i = tid;
+    for (; i + (U - 1) * THREADS < lim; i += U * THREADS) {
+        u32 v[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) v[u] = keys[i + u * THREADS];
+#pragma unroll
+        for (int u = 0; u < U; ++u) f(i + u * THREADS, v[u]);
+    }
+    for (; i < lim; i += THREADS) f(i, keys[i]);
+    for (; i < len; i += THREADS) f(i, order_key(__ldg(x + i), nan_low));
+}
+
+template <int C, int THREADS, bool ALIGNED>
+__device__ __forceinline__ void topk_cluster_row(const float* __restrict__ logits, i64 stride_r,
+                                                 const void* lens, int lens64, const void* active,
+                                                 int active64, int sel_width, int k,
+                                                 int* __restrict__ out, i64 stride_o, int nan_low,
+                                                 int cap) {
+    constexpr int WARPS = THREADS / 32;
+    constexpr int HIST_BINS = 2048;
+    constexpr int UNROLL = 4;
+    constexpr int LIST_WORDS = 4096;
+    constexpr int LIST_CAP = LIST_WORDS / WARPS;
+    static_assert(HIST_BINS % THREADS == 0 && 1024 % THREADS == 0, "bins per thread");
+    static_assert(C >= 1 && C <= 8, "cluster size");
+
+    extern __shared__ __align__(16) u32 smem[];
+    __shared__ u32 s_warp[WARPS + 1];
+    __shared__ u32 s_res[3];
+    __shared__ u32 s_cnt[2 * C];  // (above, tie) counts of each lower rank
+    u32* hist = smem;
+    u32* glob0 = smem + HIST_BINS;
+    u32* glob1 = glob0 + HIST_BINS;
+    u32* glob2 = glob1 + HIST_BINS;
+    u32* list = smem + (C == 1 ? HIST_BINS : 3 * HIST_BINS + 1024);
+    u32* keys = list + LIST_WORDS;
+
+    const int row = blockIdx.y;
+    const u32 rank = (C == 1) ? 0u : cl_rank();
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int n = live_length(lens, lens64, active, active64, row, sel_width);
+    int* __restrict__ o = out + (i64)row * stride_o;
+
+    if (n <= k) {  // cluster-uniform: no CTA reaches a cluster barrier
+        for (int i = (int)rank * THREADS + tid; i < k; i += C * THREADS) o[i] = i < n ? i : -1;
+        return;
+    }
+    const int chunk = ((n + C - 1) / C + 3) & ~3;
+    const int lo = (int)rank * chunk;
+    const int len = n - lo < 0 ? 0 : (n - lo > chunk ? chunk : n - lo);
+    const int lim = len < cap ? len : cap;  // keys [0, lim) in shared memory, [lim, len) global
+    const float* __restrict__ x = logits + (i64)row * stride_r + lo;
+
+    if (C > 1) {
+        for (int i = tid; i < 2 * HIST_BINS + 1024; i += THREADS) glob0[i] = 0u;
+        cl_arrive();  // waited for before the first remote add
+    }
+    for (int i = tid; i < HIST_BINS; i += THREADS) hist[i] = 0u;
+    for (int i0 = tid * 4; i0 < lim; i0 += THREADS * 4 * UNROLL) {
+        uint4 q[UNROLL];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) q[u] = chunk_keys4<ALIGNED>(x, i0 + u * THREADS * 4, lim, nan_low);
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u)
+            if (i0 + u * THREADS * 4 < lim) *reinterpret_cast<uint4*>(keys + i0 + u * THREADS * 4) = q[u];
+    }
+    __syncthreads();
+
+    // pass A: top 11 bits
+    sweep<THREADS, 4>(keys, lim, len, x, nan_low, tid, [&](int, u32 u) { atomicAdd(&hist[u >> 21], 1u); });
+    __syncthreads();
+    const u32* totals = hist;
+    if (C > 1) {
+        cl_wait();
+        cl_push_hist<C, THREADS>(hist, glob0, HIST_BINS);
+        totals = glob0;
+    }
+    find_bin<THREADS>(totals, HIST_BINS, (u32)k, s_warp, s_res);
+    u32 prefix = s_res[0];
+    u32 need = s_res[1];
+    u32 cnt = s_res[2];
+    int rbits = 11;
+
+    for (int pass = 1; pass <= 2 && cnt != need; ++pass) {  // cluster-uniform
+        const int nbins = pass == 1 ? 2048 : 1024;
+        const int shift = pass == 1 ? 10 : 0;
+        const int pshift = pass == 1 ? 21 : 10;
+        for (int i = tid; i < nbins; i += THREADS) hist[i] = 0u;  // find_bin's reads are done
+        __syncthreads();
+        const u32 pre = prefix, mask = (u32)(nbins - 1);
+        sweep<THREADS, 8>(keys, lim, len, x, nan_low, tid, [&](int, u32 u) {
+            if ((u >> pshift) == pre) atomicAdd(&hist[(u >> shift) & mask], 1u);
+        });
+        __syncthreads();
+        totals = hist;
+        if (C > 1) {
+            u32* glob = pass == 1 ? glob1 : glob2;
+            cl_push_hist<C, THREADS>(hist, glob, nbins);
+            totals = glob;
+        }
+        find_bin<THREADS>(totals, nbins, need, s_warp, s_res);
+        prefix = (prefix << (pass == 1 ? 11 : 10)) | s_res[0];
+        need = s_res[1];
+        cnt = s_res[2];
+        rbits += pass == 1 ? 11 : 10;
+    }
+
+    // collect: warp w owns the contiguous segment [w * seg, (w + 1) * seg) of the chunk (seg a
+    // multiple of 128). It counts its above and tie keys with ballots and lists their positions
+    // (in position order, ties tagged) in its LIST_WORDS / WARPS words of shared memory; a scan
+    // over warps (and over lower ranks) gives its offsets; then it writes from the list, or, when
+    // the list overflowed, from a second pass over its segment.
+    const int shift = 32 - rbits;  // 21, 10 or 0
+    const u32 n_above = (u32)k - need;
+    const int seg = ((len + WARPS - 1) / WARPS + 127) & ~127;
+    const int s_lo = warp * seg;
+    const int s_hi = s_lo + seg < len ? s_lo + seg : len;
+    const u32 lt = (1u << lane) - 1u;
+    u32* wl = list + warp * LIST_CAP;
+    u32 w_above = 0, w_tie = 0;  // warp-uniform
+    for (int i0 = s_lo; i0 < s_hi; i0 += 128) {
+        u32 hi[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int i = i0 + 32 * j + lane;
+            hi[j] = i < s_hi ? key_at(keys, lim, x, nan_low, i) >> shift : 0u;
+        }
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int i = i0 + 32 * j + lane;
+            const bool is_above = i < s_hi && hi[j] > prefix;
+            const bool is_tie = i < s_hi && hi[j] == prefix;
+            const u32 ma = __ballot_sync(FULL_MASK, is_above), mt = __ballot_sync(FULL_MASK, is_tie);
+            const u32 slot = w_above + w_tie + __popc((ma | mt) & lt);
+            if ((is_above || is_tie) && slot < (u32)LIST_CAP) wl[slot] = (u32)i | (is_tie ? 0x80000000u : 0u);
+            w_above += __popc(ma);
+            w_tie += __popc(mt);
+        }
+    }
+    u32* s_wa = hist;  // free: the last find_bin read totals and ended with a barrier
+    u32* s_wt = hist + WARPS;
+    if (lane == 0) {
+        s_wa[warp] = w_above;
+        s_wt[warp] = w_tie;
+    }
+    __syncthreads();
+    u32 above_base = 0, tie_base = 0;
+    {
+        const u32 a = lane < WARPS ? s_wa[lane] : 0u, t = lane < WARPS ? s_wt[lane] : 0u;
+        const u32 ia = warp_incl_scan(a, lane), it = warp_incl_scan(t, lane);
+        above_base = __shfl_sync(FULL_MASK, ia - a, warp);  // over lower warps (WARPS <= 32)
+        tie_base = __shfl_sync(FULL_MASK, it - t, warp);
+        if (C > 1) {  // this CTA's totals into the higher ranks' slots
+            const u32 ta = __shfl_sync(FULL_MASK, ia, 31), tt = __shfl_sync(FULL_MASK, it, 31);
+            if (warp == 0 && lane > (int)rank && lane < C) {
+                cl_store(&s_cnt[2 * rank], (u32)lane, ta);
+                cl_store(&s_cnt[2 * rank + 1], (u32)lane, tt);
+            }
+        }
+    }
+    if (C > 1) {
+        cl_sync();  // the last remote access: CTAs may leave after it
+        for (int r = 0; r < (int)rank; ++r) {
+            above_base += s_cnt[2 * r];
+            tie_base += s_cnt[2 * r + 1];
+        }
+    }
+    u32 ra = above_base, rt = tie_base;
+    const u32 ra_end = above_base + w_above, rt_end = tie_base + w_tie;
+    const u32 listed = w_above + w_tie;
+    if (listed <= (u32)LIST_CAP) {  // warp-uniform
+        for (u32 e0 = 0; e0 < listed && (ra < ra_end || (rt < rt_end && rt < need)); e0 += 32) {
+            const u32 e = e0 + lane;
+            const u32 v = e < listed ? wl[e] : 0u;
+            const bool is_tie = e < listed && (v >> 31) != 0u;
+            const bool is_above = e < listed && (v >> 31) == 0u;
+            const u32 ma = __ballot_sync(FULL_MASK, is_above), mt = __ballot_sync(FULL_MASK, is_tie);
+            const int pos = lo + (int)(v & 0x7fffffffu);
+            if (is_above) o[ra + __popc(ma & lt)] = pos;
+            if (is_tie) {
+                const u32 r = rt + __popc(mt & lt);
+                if (r < need) o[n_above + r] = pos;
+            }
+            ra += __popc(ma);
+            rt += __popc(mt);
+        }
+        return;
+    }
+    // the list overflowed (a segment with more than LIST_CAP above and tie keys): a second pass
+    for (int i0 = s_lo; i0 < s_hi && (ra < ra_end || (rt < rt_end && rt < need)); i0 += 32) {  // warp-uniform
+        const int i = i0 + lane;
+        const u32 hi = i < s_hi ? key_at(keys, lim, x, nan_low, i) >> shift : 0u;
+        const bool is_above = i < s_hi && hi > prefix;
+        const bool is_tie = i < s_hi && hi == prefix;
+        const u32 ma = __ballot_sync(FULL_MASK, is_above), mt = __ballot_sync(FULL_MASK, is_tie);
+        if (is_above) o[ra + __popc(ma & lt)] = lo + i;
+        if (is_tie) {
+            const u32 r = rt + __popc(mt & lt);
+            if (r < need) o[n_above + r] = lo + i;
+        }
+        ra += __popc(ma);
+        rt += __popc(mt);
+    }
+}
+
+#define TOPK_CLUSTER_KERNEL(C, T, A)                                                               \
+    extern "C" __global__ void __cluster_dims__(C, 1, 1) __launch_bounds__(T, 1024 / (T))         \
+        topk_cluster_c##C##_t##T##_a##A(const float* __restrict__ logits, i64 stride_r,           \
+                                        const void* lens, int lens64, const void* active,          \
+                                        int active64, int sel_width, int k,                        \
+                                        int* __restrict__ out, i64 stride_o, int nan_low,          \
+                                        int cap) {                                                 \
+        topk_cluster_row<C, T, (A) != 0>(logits, stride_r, lens, lens64, active, active64,         \
+                                         sel_width, k, out, stride_o, nan_low, cap);               \
+    }
+
+TOPK_CLUSTER_KERNEL(1, 1024, 1)
+TOPK_CLUSTER_KERNEL(1, 1024, 0)
+TOPK_CLUSTER_KERNEL(2, 1024, 1)
+TOPK_CLUSTER_KERNEL(2, 1024, 0)
+TOPK_CLUSTER_KERNEL(4, 1024, 1)
+TOPK_CLUSTER_KERNEL(4, 1024, 0)
+TOPK_CLUSTER_KERNEL(8, 1024, 1)
+TOPK_CLUSTER_KERNEL(8, 1024, 0)
+TOPK_CLUSTER_KERNEL(1, 512, 1)
+TOPK_CLUSTER_KERNEL(1, 512, 0)
+TOPK_CLUSTER_KERNEL(2, 512, 1)
+TOPK_CLUSTER_KERNEL(2, 512, 0)
+TOPK_CLUSTER_KERNEL(4, 512, 1)
+TOPK_CLUSTER_KERNEL(4, 512, 0)
+TOPK_CLUSTER_KERNEL(8, 512, 1)
+TOPK_CLUSTER_KERNEL(8, 512, 0)
+
+#endif  // sm_90+

@@ -1,5 +1,10 @@
 """The CUDA top-k route (``cuda_radix``): ``cuda_topk.cu`` compiled at run time by NVRTC.
 
+Two kernels, one output: ``launch_cuda_topk`` (one CTA per row, any CUDA GPU from sm_70) and,
+on sm_90+, ``launch_cuda_topk_cluster`` (a thread-block cluster of 1-8 CTAs per row holding the
+row's keys in shared memory and summing histograms over distributed shared memory; sized by
+the pure ``plan_cluster``). Both write the positions ``cuda_topk_emu.topk_row`` specifies.
+
 Compiled on first use and cached per (device index, arch); launched with ``cuLaunchKernel`` on
 torch's current stream, so a call made while a torch CUDA graph captures is captured. No host
 sync, no allocation per call (the kernel needs no global scratch: its histograms and candidate
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
@@ -29,6 +35,10 @@ VARIANTS = ((1024, 4), (1024, 2), (512, 4), (512, 8))
 MIN_CAPABILITY = (7, 0)
 _STATIC_SMEM_LIMIT = 48 * 1024
 HIST_BINS = 2048
+# the cluster route (sm_90+): CTAs per row compiled in cuda_topk.cu, threads per CTA
+CLUSTER_SIZES = (1, 2, 4, 8)
+CLUSTER_THREADS = (1024, 512)
+CLUSTER_MIN_CAPABILITY = (9, 0)
 
 
 def source() -> str:
@@ -39,6 +49,73 @@ def kernel_name(threads: int, vec: int, aligned: bool) -> str:
     if (threads, vec) not in VARIANTS:
         raise ValueError(f"cuda top-k: (threads, vec) must be one of {VARIANTS}, got {(threads, vec)}")
     return f"topk_radix_t{threads}_v{vec}_a{int(bool(aligned))}"
+
+
+def cluster_kernel_name(cluster: int, aligned: bool, threads: int = 1024) -> str:
+    if cluster not in CLUSTER_SIZES:
+        raise ValueError(f"cuda top-k: cluster size must be one of {CLUSTER_SIZES}, got {cluster!r}")
+    if threads not in CLUSTER_THREADS:
+        raise ValueError(f"cuda top-k: cluster threads must be one of {CLUSTER_THREADS}, got {threads!r}")
+    return f"topk_cluster_c{cluster}_t{threads}_a{int(bool(aligned))}"
+
+
+def cluster_chunk_cap(sel_width: int, cluster: int) -> int:
+    """Keys one CTA of a ``cluster``-CTA row owns in the longest row ``sel_width`` allows: the
+    device's chunk, ``ceil(sel_width / cluster)`` rounded up to 4."""
+    return max(4, (-(-sel_width // cluster) + 3) & ~3)
+
+
+CLUSTER_LIST_WORDS = 4096
+"""the warps' lists of selected positions in a cluster-route CTA"""
+
+
+def cluster_smem_bytes(cap: int, cluster: int) -> int:
+    """Dynamic shared memory of one cluster-route CTA holding ``cap`` keys: the local histogram,
+    for ``cluster > 1`` the three pass totals, the warps' position lists, and the keys."""
+    return 4 * (HIST_BINS + (0 if cluster == 1 else 2 * HIST_BINS + 1024) + CLUSTER_LIST_WORDS + cap)
+
+
+def _keys_fitting(smem: int, cluster: int) -> int:
+    return max(0, (smem // 4 - (cluster_smem_bytes(0, cluster) // 4)) & ~3)
+
+
+@dataclass(frozen=True)
+class ClusterPlan:
+    cluster: int
+    """CTAs per row"""
+    cap: int
+    """keys each CTA keeps in shared memory (a longer chunk reads the rest from global memory)"""
+    smem: int
+    """dynamic shared memory bytes per CTA"""
+    threads: int = 1024
+
+
+def plan_cluster(rows: int, sel_width: int, sm_count: int, smem_optin: int,
+                 cluster: int | None = None, threads: int = 1024) -> ClusterPlan | None:
+    """The cluster route's launch for ``rows`` rows of at most ``sel_width`` live keys (pure host
+    logic), or None where it cannot take them (no rows, more than 65535 rows, no shared memory).
+
+    CTAs per row (unless forced by ``cluster``): the largest size whose ``rows x size`` CTAs fit
+    one wave, counted as the SMs for clusters of 1 or 2 and half the SMs for 4 or 8 (larger
+    clusters pack less densely into the GPU's processing clusters); 1 past that. Keys per CTA:
+    the chunk of ``sel_width``, at most what fits the shared memory of one CTA per SM. The size
+    and capacity follow the rows and the host bound, never live lengths: the device splits each
+    row by its live length.
+    """
+    if rows < 1 or rows > 65535 or sm_count < 1:
+        return None
+    if cluster is None:
+        fits = [c for c in CLUSTER_SIZES if rows * c <= (sm_count if c <= 2 else sm_count // 2)]
+        cluster = fits[-1] if fits else 1
+    elif cluster not in CLUSTER_SIZES:
+        raise ValueError(f"cuda top-k: cluster size must be one of {CLUSTER_SIZES}, got {cluster!r}")
+    if threads not in CLUSTER_THREADS:
+        raise ValueError(f"cuda top-k: cluster threads must be one of {CLUSTER_THREADS}, got {threads!r}")
+    per_sm = 1 if rows * cluster <= sm_count else 1024 // threads  # what the registers allow
+    cap = min(cluster_chunk_cap(sel_width, cluster), _keys_fitting(smem_optin // per_sm, cluster))
+    if cap < 4:
+        return None
+    return ClusterPlan(cluster, cap, cluster_smem_bytes(cap, cluster), threads)
 
 
 def _bindings():
@@ -80,6 +157,21 @@ def status(device: torch.device | str | int | None = None) -> tuple[bool, str]:
     return compiler_status()
 
 
+@cache
+def cluster_smem_limit(index: int) -> int:
+    """Dynamic shared memory bytes a cluster-route CTA may use on CUDA device ``index`` (the
+    opt-in limit less the kernel's static share), or 0 where the route cannot run (before sm_90,
+    or the CUDA top-k unavailable). Queries the driver; compiles nothing."""
+    ok, _ = status(torch.device("cuda", index))
+    if not ok or torch.cuda.get_device_capability(index) < CLUSTER_MIN_CAPABILITY:
+        return 0
+    driver, _ = _bindings()
+    _check(driver.cuInit(0), "cuInit")
+    cu_dev = _check(driver.cuDeviceGet(index), "cuDeviceGet")
+    attr = driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN
+    return int(_check(driver.cuDeviceGetAttribute(attr, cu_dev), "cuDeviceGetAttribute")) - 1024
+
+
 class CompileError(RuntimeError):
     pass
 
@@ -95,9 +187,10 @@ def _check(result, what: str):
 
 
 def compile_source(
-    arch: str, *, output: str = "cubin", extra_options: tuple[str, ...] = ()
+    arch: str, *, output: str = "cubin", extra_options: tuple[str, ...] = (), text: str | None = None
 ) -> tuple[bytes, str]:
-    """NVRTC-compile ``cuda_topk.cu`` for ``arch`` (e.g. ``"sm_90"``): ``(ptx or cubin bytes, log)``.
+    """NVRTC-compile ``cuda_topk.cu`` (or ``text``) for ``arch`` (e.g. ``"sm_90"``):
+    ``(ptx or cubin bytes, log)``.
 
     Needs no GPU. ``output="ptx"`` compiles for the virtual ``compute_XX`` arch.
     """
@@ -107,7 +200,8 @@ def compile_source(
     num = arch.split("_", 1)[1]
     target = f"compute_{num}" if output == "ptx" else f"sm_{num}"
     prog = _check(
-        nvrtc.nvrtcCreateProgram(source().encode(), b"cuda_topk.cu", 0, [], []), "nvrtcCreateProgram"
+        nvrtc.nvrtcCreateProgram((source() if text is None else text).encode(), b"cuda_topk.cu", 0, [], []),
+        "nvrtcCreateProgram",
     )
     try:
         opts = [f"--gpu-architecture={target}".encode(), b"-std=c++17", *(o.encode() for o in extra_options)]
@@ -149,6 +243,9 @@ class _Module:
         self.module = _check(driver.cuModuleLoadData(cubin), "cuModuleLoadData")
         self.functions: dict[str, object] = {}
         self.smem_set: dict[str, int] = {}
+        self.sm_count = torch.cuda.get_device_properties(index).multi_processor_count
+        self.smem_optin = cluster_smem_limit(index)
+        self.cluster_ok = self.smem_optin > 0
 
     def function(self, name: str, smem: int):
         fn = self.functions.get(name)
@@ -157,7 +254,8 @@ class _Module:
                 self.driver.cuModuleGetFunction(self.module, name.encode()), f"cuModuleGetFunction({name})"
             )
             self.functions[name] = fn
-        if smem > _STATIC_SMEM_LIMIT and self.smem_set.get(name, 0) < smem:
+        # past 48 KB less the kernel's static share (at most 1 KB) the launch needs the opt-in
+        if smem > _STATIC_SMEM_LIMIT - 1024 and self.smem_set.get(name, 0) < smem:
             attr = self.driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
             _check(self.driver.cuFuncSetAttribute(fn, attr, smem), "cuFuncSetAttribute(max dynamic smem)")
             self.smem_set[name] = smem
@@ -201,6 +299,21 @@ def smem_bytes(cap: int) -> int:
     return 4 * (HIST_BINS + cap)
 
 
+def _check_launch_args(x, row_lens, active, out, k, sel_width) -> int:
+    """Shared argument checks; the device index of ``x``."""
+    if not (0 <= sel_width < 2**31) or not (0 < k < 2**31):
+        raise ValueError(f"cuda top-k: sel_width {sel_width} and k {k} must fit int32")
+    if (
+        row_lens.device != x.device
+        or out.device != x.device
+        or (active is not None and active.device != x.device)
+    ):
+        raise ValueError("cuda top-k: logits, row_lens, active_width and out must share one device")
+    if row_lens.dim() != 1 or (row_lens.numel() > 1 and row_lens.stride(0) != 1):
+        raise ValueError("cuda top-k: row_lens must be 1-D and contiguous")
+    return x.device.index if x.device.index is not None else torch.cuda.current_device()
+
+
 def _int_dtype_flag(t: torch.Tensor, name: str) -> int:
     if t.dtype == torch.int64:
         return 1
@@ -231,21 +344,66 @@ def launch_cuda_topk(
     rows = out.shape[0]
     if rows == 0:
         return
-    if not (0 <= sel_width < 2**31) or not (0 < k < 2**31):
-        raise ValueError(f"cuda top-k: sel_width {sel_width} and k {k} must fit int32")
-    if (
-        row_lens.device != x.device
-        or out.device != x.device
-        or (active is not None and active.device != x.device)
-    ):
-        raise ValueError("cuda top-k: logits, row_lens, active_width and out must share one device")
-    if row_lens.dim() != 1 or (row_lens.numel() > 1 and row_lens.stride(0) != 1):
-        raise ValueError("cuda top-k: row_lens must be 1-D and contiguous")
-    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    mod = module_for(index)
+    mod = module_for(_check_launch_args(x, row_lens, active, out, k, sel_width))
     aligned = x.data_ptr() % 16 == 0 and stride_r % 4 == 0
     smem = smem_bytes(cap)
     fn = mod.function(kernel_name(threads, vec, aligned), smem)
+    _launch(mod, fn, (rows, 1, 1), threads, smem, x, stride_r, row_lens, active, out, k, sel_width,
+            nan_low, (ctypes.c_int(cap),))
+
+
+def cluster_plan_for(x: torch.Tensor, rows: int, sel_width: int, cluster: int | None = None,
+                     ) -> ClusterPlan | None:
+    """What ``launch_cuda_topk_cluster`` would launch on ``x``'s device (None: it cannot)."""
+    mod = module_for(x.device.index if x.device.index is not None else torch.cuda.current_device())
+    if not mod.cluster_ok:
+        return None
+    return plan_cluster(rows, sel_width, mod.sm_count, mod.smem_optin, cluster=cluster)
+
+
+def launch_cuda_topk_cluster(
+    x: torch.Tensor,
+    stride_r: int,
+    row_lens: torch.Tensor,
+    active: torch.Tensor | None,
+    out: torch.Tensor,
+    k: int,
+    sel_width: int,
+    *,
+    nan_low: bool = True,
+    cluster: int | None = None,
+    cap: int | None = None,
+    threads: int = 1024,
+) -> ClusterPlan:
+    """A cluster of CTAs per row (``plan_cluster``'s, or ``cluster``): the output of
+    ``launch_cuda_topk``, element for element. ``cap`` overrides the keys kept in shared memory
+    (a multiple of 4, at most the plan's). Returns the plan launched.
+
+    Raises ``ValueError`` where the route cannot take the call (before sm_90, more than 65535
+    rows): callers fall back to ``launch_cuda_topk``.
+    """
+    rows = out.shape[0]
+    mod = module_for(_check_launch_args(x, row_lens, active, out, k, sel_width))
+    if not mod.cluster_ok:
+        raise ValueError(f"cuda top-k: the cluster route needs compute capability >= {CLUSTER_MIN_CAPABILITY}")
+    plan = plan_cluster(max(rows, 1), sel_width, mod.sm_count, mod.smem_optin, cluster=cluster, threads=threads)
+    if plan is None:
+        raise ValueError(f"cuda top-k: the cluster route cannot take rows={rows} sel_width={sel_width}")
+    if cap is not None:
+        if cap < 4 or cap % 4 or cap > plan.cap:
+            raise ValueError(f"cuda top-k: cap must be a multiple of 4 in [4, {plan.cap}], got {cap}")
+        plan = ClusterPlan(plan.cluster, cap, cluster_smem_bytes(cap, plan.cluster), plan.threads)
+    if rows == 0:
+        return plan
+    aligned = x.data_ptr() % 16 == 0 and stride_r % 4 == 0
+    fn = mod.function(cluster_kernel_name(plan.cluster, aligned, plan.threads), plan.smem)
+    _launch(mod, fn, (plan.cluster, rows, 1), plan.threads, plan.smem, x, stride_r, row_lens, active,
+            out, k, sel_width, nan_low, (ctypes.c_int(plan.cap),))
+    return plan
+
+
+def _launch(mod, fn, grid, threads, smem, x, stride_r, row_lens, active, out, k, sel_width, nan_low,
+            extra: tuple) -> None:
     driver = mod.driver
     lens64 = _int_dtype_flag(row_lens, "row_lens")
     if active is not None:
@@ -265,14 +423,14 @@ def launch_cuda_topk(
         ctypes.c_void_p(out.data_ptr()),
         ctypes.c_longlong(out.stride(0)),
         ctypes.c_int(1 if nan_low else 0),
-        ctypes.c_int(cap),
+        *extra,
     )
     params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
     stream = torch.cuda.current_stream(x.device).cuda_stream
     _check(driver.cuCtxSetCurrent(mod.ctx), "cuCtxSetCurrent")
     _check(
         driver.cuLaunchKernel(
-            fn, rows, 1, 1, threads, 1, 1, smem, driver.CUstream(stream), ctypes.addressof(params), 0
+            fn, *grid, threads, 1, 1, smem, driver.CUstream(stream), ctypes.addressof(params), 0
         ),
-        "cuLaunchKernel",
+        f"cuLaunchKernel(grid={grid}, threads={threads}, smem={smem})",
     )

@@ -101,3 +101,52 @@ def topk_indices(logits: torch.Tensor, row_lens: torch.Tensor, k: int, *,
     for r, n in enumerate(eff.tolist()):
         out[r] = topk_row(logits[r, :n].cpu(), k, nan_low=nan_low, tile=tile, cap=cap)
     return out
+
+
+def cluster_chunks(n: int, cluster: int) -> list[tuple[int, int]]:
+    """``(first position, length)`` of each CTA's chunk of a row of ``n`` live keys in the cluster
+    route: ``ceil(n / cluster)`` rounded up to 4 per CTA, the last ones shorter or empty."""
+    chunk = (-(-n // cluster) + 3) & ~3
+    return [(r * chunk, max(0, min(chunk, n - r * chunk))) for r in range(cluster)]
+
+
+def warp_segments(length: int, warps: int) -> list[tuple[int, int]]:
+    """``[lo, hi)`` of each warp's segment of a chunk in the cluster route's collect: a multiple of
+    128 positions per warp, the last ones shorter or empty."""
+    seg = (-(-length // warps) + 127) & ~127
+    return [(w * seg, min(w * seg + seg, length)) for w in range(warps)]
+
+
+def cluster_topk_row(x: torch.Tensor, k: int, cluster: int, *, warps: int = 32,
+                     nan_low: bool = True) -> torch.Tensor:
+    """The cluster route's output row for the live scores ``x``, built the way the kernel builds
+    it: per-chunk histograms summed, then each (CTA, warp) segment writing its above and tie
+    keys at the counts of every earlier segment. Equal to ``topk_row`` (the specification)."""
+    n = x.numel()
+    out = torch.full((k,), -1, dtype=torch.int32)
+    if n <= k:
+        out[:n] = torch.arange(n, dtype=torch.int32)
+        return out
+    u = order_keys(x, nan_low)
+    chunks = cluster_chunks(n, cluster)
+    assert sum(length for _, length in chunks) == n
+    hist = sum(torch.bincount(u[lo:lo + length] >> 21, minlength=2048) for lo, length in chunks)
+    assert torch.equal(hist, torch.bincount(u >> 21, minlength=2048))
+    plan = plan_row(u, k)
+    shift = 32 - plan.bits
+    n_above = k - plan.need
+    ra = rt = 0
+    for lo, length in chunks:
+        for s_lo, s_hi in warp_segments(length, warps):
+            if s_hi <= s_lo:
+                continue
+            hi = u[lo + s_lo:lo + s_hi] >> shift
+            above = torch.nonzero(hi > plan.prefix).flatten() + lo + s_lo
+            ties = torch.nonzero(hi == plan.prefix).flatten() + lo + s_lo
+            out[ra:ra + above.numel()] = above.to(torch.int32)
+            take = ties[: max(0, plan.need - rt)]
+            out[n_above + rt:n_above + rt + take.numel()] = take.to(torch.int32)
+            ra += above.numel()
+            rt += ties.numel()
+    assert ra == n_above and rt >= plan.need
+    return out

@@ -6,11 +6,14 @@ looks at a capacity larger than the call (a 256-row workspace serving a 1-row ca
 1-row route) and never at live lengths (those stay on the device), so a captured graph replays
 the schedule it was captured with.
 
-Routes: ``fused`` (score and select in one cooperative launch), ``radix`` and ``sample``
+Routes: ``fused`` (score and select in one cooperative launch; not taken where the cluster
+top-k can run, which is faster after the scorer), ``radix`` and ``sample``
 (the scorer into a logits buffer, then that top-k algorithm), ``cuda_radix`` (the same, with
-the NVRTC-compiled CUDA top-k, one CTA per row, where ``DeviceInfo.cuda_topk`` says it can run:
-"auto" takes it from ``topk.cuda_min_rows`` rows up). Every route returns the same
-set of positions per row; the order inside a row is deterministic per route but unspecified.
+the NVRTC-compiled CUDA top-k where ``DeviceInfo.cuda_topk`` says it can run: on sm_90+ a
+thread-block cluster of ``topk_cluster`` CTAs per row, which "auto" takes for every call; before
+that one CTA per row, which "auto" takes from ``topk.cuda_min_rows`` rows up). Every route
+returns the same set of positions per row; the order inside a row is deterministic per route but
+unspecified.
 """
 
 from __future__ import annotations
@@ -34,6 +37,9 @@ class DeviceInfo:
     cuda_topk: bool = False
     """Whether the NVRTC-compiled CUDA top-k can run (a CUDA device of compute capability 7.0+,
     cuda-bindings and NVRTC present; ``cuda_topk.status`` gives the reason when not)."""
+    cluster_smem: int = 0
+    """Shared memory bytes one CTA of the CUDA top-k's cluster route may use (0: no cluster
+    route: before sm_90, or no CUDA top-k)."""
 
 
 @dataclass(frozen=True)
@@ -48,6 +54,10 @@ class Route:
     """Unfused: top-k programs per row."""
     fused_parts: int = 0
     """Fused: programs per row."""
+    topk_cluster: int = 0
+    """``cuda_radix``: CTAs per row of the cluster route (0: one CTA per row, no cluster)."""
+    topk_cap: int = 0
+    """``cuda_radix`` cluster route: keys per CTA kept in shared memory."""
     fused_tiles: int = 0
     """Fused: most page tiles per program (a power of two, the register tile). A row's programs
     take contiguous chunks of ``cdiv(live tiles, fused_parts)`` tiles, never more than this."""
@@ -91,8 +101,10 @@ def topk_algo_for(rows: int, config: KernelConfig = DEFAULT_CONFIG, device: Devi
     """The unfused top-k algorithm for a call of ``rows`` rows ("cuda_radix" only where
     ``device.cuda_topk``; otherwise the Triton choice of "auto")."""
     algo = config.topk.algo
+    tc = config.topk
     cuda_ok = device is not None and device.cuda_topk
-    if cuda_ok and (algo == CUDA_RADIX or (algo == "auto" and 0 < config.topk.cuda_min_rows <= rows)):
+    cluster = cuda_ok and tc.cuda_cluster and device.cluster_smem > 0
+    if cuda_ok and (algo == CUDA_RADIX or (algo == "auto" and (cluster or 0 < tc.cuda_min_rows <= rows))):
         return CUDA_RADIX
     if algo not in ("auto", CUDA_RADIX):
         return algo
@@ -109,7 +121,11 @@ def plan_route(rows: int, width: int, page: int, device: DeviceInfo,
         raise ValueError(f"width: must be an int >= 0, got {width!r}")
     sms = device.num_sms
     fc = config.fused
-    if score and fc.enabled and device.cooperative and 0 < rows <= fc.max_rows:
+    # on sm_90+ the scorer then the cluster top-k beats the fused step on every fused shape
+    # measured (benchmarks/NOTES.md, run 23): the fused route serves the other devices
+    cluster_topk = (device.cuda_topk and device.cluster_smem > 0 and config.topk.cuda_cluster
+                    and config.topk.algo in ("auto", CUDA_RADIX))
+    if score and fc.enabled and device.cooperative and 0 < rows <= fc.max_rows and not cluster_topk:
         grid = fused_grid(rows, width, page, sms * (device.fused_ctas_per_sm or fc.ctas_per_sm),
                           fc.max_keys, fc.max_parts)
         if grid is not None:
@@ -117,7 +133,15 @@ def plan_route(rows: int, width: int, page: int, device: DeviceInfo,
     r = max(rows, 1)
     splits = score_splits(rows, sms, config) if score else 0
     algo = topk_algo_for(rows, config, device)
-    if algo == CUDA_RADIX:  # one CTA per row
-        return Route(CUDA_RADIX, rows, score_splits=splits, topk_chunks=1)
+    if algo == CUDA_RADIX:
+        plan = None
+        if config.topk.cuda_cluster and device.cluster_smem > 0:
+            from .cuda_topk import plan_cluster  # pure host logic
+
+            plan = plan_cluster(rows, width, sms, device.cluster_smem)
+        if plan is None:  # one CTA per row
+            return Route(CUDA_RADIX, rows, score_splits=splits, topk_chunks=1)
+        return Route(CUDA_RADIX, rows, score_splits=splits, topk_chunks=plan.cluster,
+                     topk_cluster=plan.cluster, topk_cap=plan.cap)
     chunks = max(1, min(config.topk.max_chunks, sms * config.topk.ctas_per_sm // r))
     return Route(algo, rows, score_splits=splits, topk_chunks=chunks)

@@ -155,6 +155,12 @@ def _index_out(out: torch.Tensor | None, rows: int, k: int, device: torch.device
 def _launch_topk(route: Route, logits, row_lens, active_width, ws, out, k, width, *,
                  nan_low: bool) -> None:
     """The route's top-k launches; ``nan_low=False`` for scores from the scorer (NaN negative)."""
+    if route.kind == CUDA_RADIX and route.topk_cluster:
+        from .cuda_topk import launch_cuda_topk_cluster
+
+        launch_cuda_topk_cluster(logits, logits.stride(0), row_lens, active_width, out, k, width,
+                                 nan_low=nan_low, cluster=route.topk_cluster, cap=route.topk_cap)
+        return
     if route.kind == CUDA_RADIX:
         from .cuda_topk import launch_cuda_topk
 

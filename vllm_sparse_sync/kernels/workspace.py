@@ -113,7 +113,7 @@ class IndexerTopkWorkspace:
         the configuration opts in: it imports cuda-bindings)."""
         if self._cuda_topk is None:
             tc = self.config.topk
-            if tc.algo != CUDA_RADIX and not (tc.algo == "auto" and tc.cuda_min_rows > 0):
+            if tc.algo != CUDA_RADIX and not (tc.algo == "auto" and (tc.cuda_min_rows > 0 or tc.cuda_cluster)):
                 self._cuda_topk = (False, f"topk.algo={tc.algo!r} does not use it")
             elif self.device.type != "cuda" or interpreting():
                 self._cuda_topk = (False, f"device {self.device} is not a CUDA device")
@@ -125,7 +125,14 @@ class IndexerTopkWorkspace:
 
     def device_info(self) -> DeviceInfo:
         cooperative = interpreting() or (self.device.type == "cuda" and cooperative_launch_supported())
-        return DeviceInfo(self.num_sms, cooperative, self.fused_ctas_per_sm, self.cuda_topk_status[0])
+        cuda_ok = self.cuda_topk_status[0]
+        cluster_smem = 0
+        if cuda_ok and self.config.topk.cuda_cluster:
+            from .cuda_topk import cluster_smem_limit
+
+            cluster_smem = cluster_smem_limit(self.device.index if self.device.index is not None
+                                              else torch.cuda.current_device())
+        return DeviceInfo(self.num_sms, cooperative, self.fused_ctas_per_sm, cuda_ok, cluster_smem)
 
     def route(self, rows: int, width: int, page: int, *, score: bool = True) -> Route:
         """The planner's route for a call of ``rows`` rows and width bound ``width`` here

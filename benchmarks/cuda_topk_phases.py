@@ -1,0 +1,103 @@
+"""Where the cluster-route top-k spends its time: the kernel source cut short at
+each phase (an experiment copy, compiled here; the library source is unchanged), timed by
+CUDA-graph replay. Phase times are differences of cumulative times.
+
+    python benchmarks/cuda_topk_phases.py [--cases 1:1x4096,8:1x65536,2:64x65536]
+
+A case is ``C:BxL``: C CTAs per row, B rows of L live keys (host width L).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import sys
+import types
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from graph_timer import graph_replay_us  # noqa: E402
+
+from vllm_sparse_sync.kernels import cuda_topk  # noqa: E402
+
+K = 2048
+# (stop, anchor in cuda_topk.cu, code inserted before it): each stop ends the kernel there
+CUTS = [
+    (1, "    if (n <= k) {  // cluster-uniform", "if (STOP_AT == 1) { if (tid == 0) o[0] = n; return; }\n"),
+    (2, "    // pass A: top 11 bits\n    sweep<",
+     "if (STOP_AT == 2) { if (C > 1) cl_wait(); if (tid == 0) o[0] = (int)keys[lim - 1]; return; }\n"),
+    (3, "    for (int pass = 1; pass <= 2 && cnt != need; ++pass) {  // cluster-uniform",
+     "if (STOP_AT == 3) { if (tid == 0) o[0] = (int)prefix; return; }\n"),
+    (4, "    // collect: warp w owns",
+     "if (STOP_AT == 4) { if (tid == 0) o[0] = (int)(prefix ^ need); return; }\n"),
+]
+NAMES = {0: "launch (empty)", 1: "live length", 2: "load keys", 3: "pass A + find", 4: "refine", 99: "collect"}
+
+
+def cut_source(stop: int) -> str:
+    text = cuda_topk.source()
+    for _, anchor, code in CUTS:
+        assert text.count(anchor) == 1, anchor
+        text = text.replace(anchor, code + anchor)
+    head = "    const int row = blockIdx.y;\n    const u32 rank"
+    assert text.count(head) == 1
+    text = text.replace(head, "    if (STOP_AT == 0) { if (threadIdx.x == 0) out[blockIdx.y] = 0; return; }\n" + head)
+    return f"#define STOP_AT {stop}\n" + text
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cases", default="1:1x4096,8:1x65536,8:1x131072,8:8x65536,2:64x65536,1:128x8192")
+    ap.add_argument("--ncalls", type=int, default=16)
+    a = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("error: needs a CUDA device", file=sys.stderr)
+        sys.exit(2)
+    mod = cuda_topk.module_for(0)
+    driver = mod.driver
+    fake = types.SimpleNamespace(driver=driver, ctx=mod.ctx)
+    major, minor = torch.cuda.get_device_capability()
+    modules = {}
+    for stop in (0, 1, 2, 3, 4, 99):
+        cubin, _ = cuda_topk.compile_source(f"sm_{major}{minor}", text=cut_source(stop))
+        modules[stop] = cuda_topk._check(driver.cuModuleLoadData(cubin), "cuModuleLoadData")
+    attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    rows_out = []
+    for case in a.cases.split(","):
+        C, shape = case.split(":")
+        C = int(C)
+        B, L = (int(p) for p in shape.split("x"))
+        functions = {stop: cuda_topk._check(driver.cuModuleGetFunction(
+            m, cuda_topk.cluster_kernel_name(C, True).encode()), "get") for stop, m in modules.items()}
+        g = torch.Generator(device="cuda").manual_seed(B + L)
+        xs = [torch.randn(B, L, device="cuda", generator=g) for _ in range(4)]
+        lens = torch.full((B,), L, dtype=torch.int32, device="cuda")
+        out = torch.empty(B, K, dtype=torch.int32, device="cuda")
+        plan = cuda_topk.plan_cluster(B, L, mod.sm_count, mod.smem_optin, cluster=C)
+        res = {"C": C, "B": B, "L": L, "cap": plan.cap}
+        for stop, fn in functions.items():
+            cuda_topk._check(driver.cuFuncSetAttribute(fn, attr, plan.smem), "smem")
+            calls = [lambda i=i, fn=fn: cuda_topk._launch(
+                fake, fn, (C, B, 1), plan.threads, plan.smem, xs[i % 4], L, lens, None, out, K, L,
+                True, (ctypes.c_int(plan.cap),)) for i in range(a.ncalls)]
+            res[NAMES[stop]] = graph_replay_us(calls, 20)
+        rows_out.append(res)
+        prev = 0.0
+        parts = []
+        for stop in (0, 1, 2, 3, 4, 99):
+            t = res[NAMES[stop]]
+            parts.append(f"{NAMES[stop]} {t - prev:+.2f}")
+            prev = t
+        print(f"C={C} B={B} L={L} cap={plan.cap} total {res['collect']:.2f} us: " + ", ".join(parts), flush=True)
+    out_dir = os.environ.get("OUT")
+    if out_dir:
+        with open(os.path.join(out_dir, "cuda_topk_phases.json"), "w") as fh:
+            json.dump(rows_out, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
