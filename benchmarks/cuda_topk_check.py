@@ -1,6 +1,7 @@
 """First-run check of the CUDA top-k (``topk.algo="cuda_radix"``): compile, exactness, capture,
-bound-insensitivity, timing against our Triton top-k and torch.topk. One script, never aborts on
-one failing case (prints the error and goes on); JSON to $OUT/cuda_topk_check.json when $OUT is set.
+bound-insensitivity, timing against the default route's top-k and torch.topk. One script, never
+aborts on one failing case (prints the error and goes on); JSON to $OUT/cuda_topk_check.json when
+$OUT is set.
 
     python benchmarks/cuda_topk_check.py [--variants 1024x4,1024x2,512x4,512x8,c1,c2,c4,c8,cauto] [--quick]
 
@@ -310,7 +311,8 @@ def time_shape(B, L, variants, ncalls):
         )
         got = launch(exact[0], lens, torch.empty_like(out), width=L, variant=v)
         want = torch.topk(exact[0], K, dim=1).indices.int()  # randn: no ties in practice
-        res[f"cuda_{tag(v)}_check"] = "ok" if torch.equal(got.sort(1).values, want.sort(1).values) else "differs"
+        same = torch.equal(got.sort(1).values, want.sort(1).values)
+        res[f"cuda_{tag(v)}_check"] = "ok" if same else "differs"
     best = min(timed, key=lambda v: res[f"cuda_{tag(v)}_us"])
     res["cuda_best"] = tag(best)
     if "cauto" in variants:
@@ -403,7 +405,9 @@ def main() -> None:
            f"{'route':>7} {'torch':>7} {'peer':>6} {'best/peer':>9} {'auto/peer':>9}")
     log(hdr)
     for r in rows:
-        f = lambda v, fmt="{:7.1f}": fmt.format(v) if isinstance(v, (int, float)) else f"{'-':>{len(fmt.format(0))}}"  # noqa: E731
+        def f(v, fmt="{:7.1f}"):
+            return fmt.format(v) if isinstance(v, (int, float)) else f"{'-':>{len(fmt.format(0))}}"
+
         peer = r.get("best_peer_us")
         log(
             f"{r['B']:>4} {r['L']:>7} {f(r.get('cuda_us'))} {r.get('cuda_best', '-'):>7} "

@@ -27,7 +27,8 @@ from vllm_sparse_sync.kernels import cuda_topk  # noqa: E402
 K = 2048
 # (stop, anchor in cuda_topk.cu, code inserted before it): each stop ends the kernel there
 CUTS = [
-    (1, "    if (n <= k) {  // cluster-uniform", "if (STOP_AT == 1) { if (tid == 0) o[0] = n; return; }\n"),
+    (1, "    if (n <= k) {  // cluster-uniform",
+     "if (STOP_AT == 1) { if (tid == 0) o[0] = n; return; }\n"),
     (2, "    // pass A: top 11 bits\n    sweep<",
      "if (STOP_AT == 2) { if (C > 1) cl_wait(); if (tid == 0) o[0] = (int)keys[lim - 1]; return; }\n"),
     (3, "    for (int pass = 1; pass <= 2 && cnt != need; ++pass) {  // cluster-uniform",
@@ -35,7 +36,8 @@ CUTS = [
     (4, "    // collect: warp w owns",
      "if (STOP_AT == 4) { if (tid == 0) o[0] = (int)(prefix ^ need); return; }\n"),
 ]
-NAMES = {0: "launch (empty)", 1: "live length", 2: "load keys", 3: "pass A + find", 4: "refine", 99: "collect"}
+NAMES = {0: "launch (empty)", 1: "live length", 2: "load keys", 3: "pass A + find", 4: "refine",
+         99: "collect"}
 
 
 def cut_source(stop: int) -> str:
@@ -45,8 +47,20 @@ def cut_source(stop: int) -> str:
         text = text.replace(anchor, code + anchor)
     head = "    const int row = blockIdx.y;\n    const u32 rank"
     assert text.count(head) == 1
-    text = text.replace(head, "    if (STOP_AT == 0) { if (threadIdx.x == 0) out[blockIdx.y] = 0; return; }\n" + head)
+    empty = "    if (STOP_AT == 0) { if (threadIdx.x == 0) out[blockIdx.y] = 0; return; }\n"
+    text = text.replace(head, empty + head)
     return f"#define STOP_AT {stop}\n" + text
+
+
+def time_cut(mod, fn, plan, cluster: int, xs: list, lens, out, ncalls: int) -> float:
+    """us per launch of one cut kernel over rotating inputs (CUDA-graph replays)."""
+    rows, width = xs[0].shape
+
+    def call(x):
+        return lambda: cuda_topk._launch(mod, fn, (cluster, rows, 1), plan.threads, plan.smem, x, width, lens,
+                                         None, out, K, width, True, (ctypes.c_int(plan.cap),))
+
+    return graph_replay_us([call(xs[i % len(xs)]) for i in range(ncalls)], 20)
 
 
 def main() -> None:
@@ -81,10 +95,7 @@ def main() -> None:
         res = {"C": C, "B": B, "L": L, "cap": plan.cap}
         for stop, fn in functions.items():
             cuda_topk._check(driver.cuFuncSetAttribute(fn, attr, plan.smem), "smem")
-            calls = [lambda i=i, fn=fn: cuda_topk._launch(
-                fake, fn, (C, B, 1), plan.threads, plan.smem, xs[i % 4], L, lens, None, out, K, L,
-                True, (ctypes.c_int(plan.cap),)) for i in range(a.ncalls)]
-            res[NAMES[stop]] = graph_replay_us(calls, 20)
+            res[NAMES[stop]] = time_cut(fake, fn, plan, C, xs, lens, out, a.ncalls)
         rows_out.append(res)
         prev = 0.0
         parts = []
@@ -92,7 +103,8 @@ def main() -> None:
             t = res[NAMES[stop]]
             parts.append(f"{NAMES[stop]} {t - prev:+.2f}")
             prev = t
-        print(f"C={C} B={B} L={L} cap={plan.cap} total {res['collect']:.2f} us: " + ", ".join(parts), flush=True)
+        print(f"C={C} B={B} L={L} cap={plan.cap} total {res['collect']:.2f} us: " + ", ".join(parts),
+              flush=True)
     out_dir = os.environ.get("OUT")
     if out_dir:
         with open(os.path.join(out_dir, "cuda_topk_phases.json"), "w") as fh:

@@ -83,6 +83,30 @@ def test_the_default_route_for_many_rows_is_the_cuda_top_k_and_is_exact():
     assert topk_violations(got, dense, eff, K, tol=tol) == []
 
 
+@pytest.mark.parametrize("nan_low", [True, False])
+@pytest.mark.parametrize("route", [1, 8])
+def test_nan_and_inf_order_like_the_one_cta_kernel(route, nan_low):
+    from vllm_sparse_sync.kernels.cuda_topk import launch_cuda_topk, launch_cuda_topk_cluster
+
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("the cluster route needs sm_90+")
+    g = torch.Generator(device=DEV).manual_seed(7)
+    x = torch.randn(3, 30000, device=DEV, generator=g)
+    p = torch.rand(3, 30000, device=DEV, generator=g)
+    x[p < 0.2] = float("-inf")
+    x[(p >= 0.2) & (p < 0.3)] = float("nan")
+    x[(p >= 0.3) & (p < 0.35)] = -float("nan")
+    x[(p >= 0.35) & (p < 0.37)] = float("inf")
+    lens = torch.tensor([30000, 20000, 4000], dtype=torch.int32, device=DEV)
+    got = torch.empty(3, K, dtype=torch.int32, device=DEV)
+    want = torch.empty_like(got)
+    launch_cuda_topk_cluster(x, x.stride(0), lens, None, got, K, x.shape[1], nan_low=nan_low, cluster=route)
+    launch_cuda_topk(x, x.stride(0), lens, None, want, K, x.shape[1], nan_low=nan_low)
+    assert torch.equal(got, want)
+    if nan_low:  # NaN ranks below every number: none is picked while numbers remain
+        assert torch.equal(_sets(got), _sets(ref.topk_indices(x, lens, K)))
+
+
 @pytest.mark.parametrize("threads", [1024, 512])
 @pytest.mark.parametrize("cluster", [1, 2, 4, 8])
 def test_every_cluster_launch_size_runs(cluster, threads):

@@ -316,8 +316,8 @@ def test_a_stalled_row_is_marked_and_reported():
 
 
 def test_nan_scores_rank_below_every_number():
-    logits = torch.tensor([[0.1, float("nan"), 0.5, float("-inf"), -3.0]])
-    lens = torch.tensor([5], dtype=torch.int32)
+    logits = torch.tensor([[0.1, float("nan"), 0.5, float("-inf"), -3.0, -float("nan")]])
+    lens = torch.tensor([6], dtype=torch.int32)
     for algo, cfg in ALGOS.items():
         ws = IndexerTopkWorkspace(1, 4, 0, "cpu", num_sms=4, config=cfg)
         got = tk.topk_indices(logits, lens, 4, workspace=ws)

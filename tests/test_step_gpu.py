@@ -51,12 +51,13 @@ def test_a_small_call_on_a_serving_size_workspace_takes_the_fused_route():
     assert topk_violations(got, logits, ref.effective_lengths(case.row_lens, width), k, tol=1e-3) == []
 
 
-@pytest.mark.parametrize("route", ["radix", "sample", "fused"])
+@pytest.mark.parametrize("route", ["radix", "sample", "fused", "cuda_radix"])
 def test_nan_scores_rank_below_every_number(route):
     k, n = 64, 4096
     logits = torch.randn(2, n, device=DEV)
     logits[0, ::3] = float("nan")
     logits[1, :100] = float("nan")
+    logits[1, 100:110] = -float("nan")  # a NaN with the sign bit set
     lens = torch.tensor([n, n], dtype=torch.int32, device=DEV)
     cfg = {"topk.algo": route if route != "fused" else "radix", "fused.enabled": False}
     got = _ops().topk_indices(logits, lens, k, workspace=_ws(2, k, 0, **cfg))

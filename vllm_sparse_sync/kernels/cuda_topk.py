@@ -385,8 +385,10 @@ def launch_cuda_topk_cluster(
     rows = out.shape[0]
     mod = module_for(_check_launch_args(x, row_lens, active, out, k, sel_width))
     if not mod.cluster_ok:
-        raise ValueError(f"cuda top-k: the cluster route needs compute capability >= {CLUSTER_MIN_CAPABILITY}")
-    plan = plan_cluster(max(rows, 1), sel_width, mod.sm_count, mod.smem_optin, cluster=cluster, threads=threads)
+        raise ValueError(
+            f"cuda top-k: the cluster route needs compute capability >= {CLUSTER_MIN_CAPABILITY}")
+    plan = plan_cluster(max(rows, 1), sel_width, mod.sm_count, mod.smem_optin, cluster=cluster,
+                        threads=threads)
     if plan is None:
         raise ValueError(f"cuda top-k: the cluster route cannot take rows={rows} sel_width={sel_width}")
     if cap is not None:

@@ -73,13 +73,20 @@ def plan_row(u: torch.Tensor, k: int, *, tile: int = 16384, cap: int = 8192) -> 
     return RowPlan(prefix, bits, need, mode)
 
 
+def _short_or_empty_row(n: int, k: int) -> torch.Tensor:
+    """An int32 [k] row: 0..n-1 then -1 when ``n <= k`` (a short row's output), else all -1."""
+    out = torch.full((k,), -1, dtype=torch.int32)
+    if n <= k:
+        out[:n] = torch.arange(n, dtype=torch.int32)
+    return out
+
+
 def topk_row(x: torch.Tensor, k: int, *, nan_low: bool = True, tile: int = 16384,
              cap: int = 8192) -> torch.Tensor:
     """The kernel's output row (int32 [k]) for the live scores ``x`` (length n)."""
     n = x.numel()
-    out = torch.full((k,), -1, dtype=torch.int32)
+    out = _short_or_empty_row(n, k)
     if n <= k:
-        out[:n] = torch.arange(n, dtype=torch.int32)
         return out
     u = order_keys(x, nan_low)
     plan = plan_row(u, k, tile=tile, cap=cap)
@@ -123,9 +130,8 @@ def cluster_topk_row(x: torch.Tensor, k: int, cluster: int, *, warps: int = 32,
     it: per-chunk histograms summed, then each (CTA, warp) segment writing its above and tie
     keys at the counts of every earlier segment. Equal to ``topk_row`` (the specification)."""
     n = x.numel()
-    out = torch.full((k,), -1, dtype=torch.int32)
+    out = _short_or_empty_row(n, k)
     if n <= k:
-        out[:n] = torch.arange(n, dtype=torch.int32)
         return out
     u = order_keys(x, nan_low)
     chunks = cluster_chunks(n, cluster)

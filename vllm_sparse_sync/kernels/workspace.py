@@ -113,7 +113,8 @@ class IndexerTopkWorkspace:
         the configuration opts in: it imports cuda-bindings)."""
         if self._cuda_topk is None:
             tc = self.config.topk
-            if tc.algo != CUDA_RADIX and not (tc.algo == "auto" and (tc.cuda_min_rows > 0 or tc.cuda_cluster)):
+            auto_cuda = tc.algo == "auto" and (tc.cuda_min_rows > 0 or tc.cuda_cluster)
+            if tc.algo != CUDA_RADIX and not auto_cuda:
                 self._cuda_topk = (False, f"topk.algo={tc.algo!r} does not use it")
             elif self.device.type != "cuda" or interpreting():
                 self._cuda_topk = (False, f"device {self.device} is not a CUDA device")
