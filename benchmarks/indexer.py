@@ -11,8 +11,10 @@ each shape's step time over a committed run's. Times are medians of CUDA-graph r
 = replay time / calls per graph) with inputs rotated over enough copies that one graph's inputs
 exceed L2. Shapes are docs/design.md's (H=64, D=128, k=2048). Peers are measured when the
 checkout holds ``.peers/`` (DeepGEMM paged MQA logits) or ``.peers_topk/`` (vLLM top-k ops),
-made by ``benchmarks/peers.sh``; both folders do not fit one device transfer, so each may
-come from a separate run (--combine).
+made by ``benchmarks/peers.sh``, or ``.peers_fi/`` (FlashInfer's native top-k headers, made by
+``benchmarks/peers_flashinfer.sh``, compiled here with nvcc); ``.peers_topk`` and ``.peers_fi``
+fit one device transfer together, ``.peers`` does not, so DeepGEMM may come from a separate run
+(--combine).
 """
 
 from __future__ import annotations
@@ -220,6 +222,83 @@ def load_vllm_topk():
     return torch.ops._C
 
 
+FI_ALGOS = {"auto": 0, "filtered": 1, "multi_cta": 2}
+"""FlashInfer's native top-k paths (``benchmarks/flashinfer_topk_peer.cu``)"""
+
+
+def load_flashinfer_topk():
+    """FlashInfer's native ragged top-k through our C wrapper, compiled with the host's nvcc on
+    first use (cached under the temp dir), when the checkout holds ``.peers_fi/``
+    (``benchmarks/peers_flashinfer.sh``); None without it."""
+    import ctypes
+    import shutil
+    import subprocess
+
+    src = os.path.join(ROOT, ".peers_fi")
+    if not os.path.isdir(src):
+        return None
+    build = os.path.join(tempfile.gettempdir(), "peers_fi")
+    so = os.path.join(build, "libfi_topk.so")
+    if not os.path.exists(so):
+        os.makedirs(build, exist_ok=True)
+        with tarfile.open(os.path.join(src, "include.tar.xz")) as tf:
+            tf.extractall(os.path.join(build, "include"))
+        nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
+        major, minor = torch.cuda.get_device_capability()
+        arch = f"{major}{minor}{'a' if major >= 9 else ''}"
+        cmd = [nvcc, "-std=c++17", "-O3", "-DNDEBUG", "--expt-relaxed-constexpr", "-use_fast_math",
+               "-DFLASHINFER_ENABLE_F16", "-DFLASHINFER_ENABLE_BF16", "-DFLASHINFER_ENABLE_FP8_E4M3",
+               "-DFLASHINFER_ENABLE_FP8_E5M2", f"-gencode=arch=compute_{arch},code=sm_{arch}", "-shared",
+               "-Xcompiler", "-fPIC", "-I", os.path.join(build, "include"),
+               os.path.join(ROOT, "benchmarks", "flashinfer_topk_peer.cu"), "-o", so + ".tmp"]
+        print("compiling FlashInfer's top-k with nvcc (a minute or two) ...", flush=True)
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"nvcc failed ({done.returncode}): {done.stderr[-2000:]}")
+        os.replace(so + ".tmp", so)
+    lib = ctypes.CDLL(so)
+    p, u = ctypes.c_void_p, ctypes.c_uint
+    lib.fi_topk_ragged.argtypes = [p, p, p, p, u, u, u, p, ctypes.c_int, ctypes.c_int, p]
+    lib.fi_topk_ragged.restype = ctypes.c_int
+    return lib
+
+
+def bench_flashinfer_topk(lib, inp: Inputs, ncalls: int, res: dict) -> None:
+    """FlashInfer's ragged top-k (offsets 0: plain indices) on the buffers vLLM's top-k gets."""
+    from vllm_sparse_sync.kernels import triton_ops as tk
+
+    B, L = inp.B, inp.L
+    width = WIDE if B * WIDE * 4 < 2e9 else L
+    nl = max(2, min(ncalls, math.ceil(L2_BYTES / (B * width * 4)), 16))
+    base = torch.full((B, width), float("-inf"), device=DEV)
+    base[:, :L] = tk.paged_indexer_logits(*inp.args(0), L)
+    bufs = [base] + [base.clone() for _ in range(nl - 1)]
+    offsets = torch.zeros(B, dtype=torch.int32, device=DEV)
+    lens = inp.lens.to(torch.int32).clone()
+    states = torch.zeros(1 << 20, dtype=torch.uint8, device=DEV)  # zeroed once, as FlashInfer does
+    out = torch.full((B, TOPK), -1, dtype=torch.int32, device=DEV)
+    want = tk.topk_indices(base, inp.lens, TOPK).sort(dim=1).values
+
+    def call(buf, algo):
+        def run():
+            err = lib.fi_topk_ragged(buf.data_ptr(), out.data_ptr(), offsets.data_ptr(), lens.data_ptr(),
+                                     B, TOPK, width, states.data_ptr(), algo, 0,
+                                     torch.cuda.current_stream().cuda_stream)
+            if err:
+                raise RuntimeError(f"FlashInfer top-k returned cudaError {err}")
+        return run
+
+    for name, algo in FI_ALGOS.items():
+        try:
+            res[f"fi_{name}_topk_us"] = timeit(lambda i, a=algo: call(bufs[i % nl], a), ncalls)
+            call(base, algo)()
+            same = torch.equal(out.sort(dim=1).values, want)
+            res[f"fi_{name}_topk_check"] = "ok" if same else "differs"
+        except Exception as exc:
+            res[f"fi_{name}_topk_err"] = str(exc).splitlines()[0][:160]
+            torch.cuda.synchronize()
+
+
 def bench_deepgemm(dg, inp: Inputs, ncalls: int, res: dict) -> None:
     B, L = inp.B, inp.L
     nsm = torch.cuda.get_device_properties(0).multi_processor_count
@@ -269,7 +348,10 @@ def derive(res: dict, bw: float) -> dict:
         res["scorer_pct_copy"] = 100 * res["scorer_tbs"] / bw
         res["scorer_fp8_tbs"] = kbytes / (res["scorer_fp8_us"] * 1e-6) / 1e12
         res["wide_over_exact"] = max(res["step_wide_host_us"], res["step_wide_active_us"]) / res["step_us"]
-    topks = [res[k] for k in ("vllm_persistent_topk_us", "vllm_cooperative_topk_us") if k in res]
+    topks = [res[k] for k in ("vllm_persistent_topk_us", "vllm_cooperative_topk_us", "fi_auto_topk_us")
+             if k in res]
+    if topks and "topk_us" in res:
+        res["topk_over_best_peer"] = res["topk_us"] / min(topks)
     if "deepgemm_us" in res and topks:
         res["best_peer_step_us"] = res["deepgemm_us"] + min(topks)
         if "step_us" in res:
@@ -285,7 +367,9 @@ COLS = [("B", "{}"), ("L", "{}"), ("route", "{}"), ("scorer_us", "{:.1f}"), ("to
         ("topk_cuda_radix_us", "{:.1f}"),
         ("step_sample_us", "{:.1f}"), ("topk_radix_us", "{:.1f}"), ("step_radix_us", "{:.1f}"),
         ("torch_topk_us", "{:.1f}"), ("deepgemm_us", "{:.1f}"), ("vllm_persistent_topk_us", "{:.1f}"),
-        ("vllm_cooperative_topk_us", "{:.1f}"), ("best_peer_step_us", "{:.1f}"),
+        ("vllm_cooperative_topk_us", "{:.1f}"), ("fi_auto_topk_us", "{:.1f}"),
+        ("fi_filtered_topk_us", "{:.1f}"), ("fi_multi_cta_topk_us", "{:.1f}"),
+        ("topk_over_best_peer", "{:.2f}"), ("best_peer_step_us", "{:.1f}"),
         ("ours_over_best_peer", "{:.2f}"), ("ours_fp8_over_best_peer", "{:.2f}")]
 
 
@@ -363,10 +447,18 @@ def main() -> None:
         config = KernelConfig.from_dict(json.load(open(a.config_file)))
     dg = None if a.no_peers else load_deepgemm()
     vt = None if a.no_peers else load_vllm_topk()
+    fi, fi_error = None, None
+    if not a.no_peers:
+        try:
+            fi = load_flashinfer_topk()
+        except Exception as exc:  # a peer that does not build must not stop our run
+            fi_error = f"{type(exc).__name__}: {str(exc)[-600:]}"
+            print(f"FlashInfer peer unavailable: {fi_error}", flush=True)
     bw = copy_tbs()
     meta = dict(device=torch.cuda.get_device_name(0), torch=torch.__version__,
                 config=config.to_dict(), serving_rows=SERVING_ROWS, deepgemm=dg is not None,
-                vllm_topk=vt is not None, ours=not a.peers_only)
+                vllm_topk=vt is not None, flashinfer_topk=fi is not None, flashinfer_error=fi_error,
+                ours=not a.peers_only)
     print(json.dumps(dict(copy_tbs=round(bw, 3), **meta)), flush=True)
     rows = []
     for B, L in shapes:
@@ -381,6 +473,8 @@ def main() -> None:
                 bench_deepgemm(dg, inp, ncalls, res)
             if vt is not None:
                 bench_vllm_topk(vt, inp, ncalls, res)
+            if fi is not None:
+                bench_flashinfer_topk(fi, inp, ncalls, res)
         except Exception as exc:
             res["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
         derive(res, bw)

@@ -1,0 +1,28 @@
+// A C entry point to FlashInfer's native ragged top-k (include/flashinfer/topk.cuh, fetched by
+// benchmarks/peers_flashinfer.sh), for timing it beside ours. Benchmark code, not part of the
+// package: it only forwards raw pointers to FlashInfer's own host dispatch.
+//   algo 0: FlashInfer's dispatch heuristic; 1: its filtered kernel; 2: its multi-CTA radix.
+#include <flashinfer/topk.cuh>
+
+extern "C" int fi_topk_ragged(float* input, int* out, const int* offsets, int* lengths,
+                              unsigned num_rows, unsigned k, unsigned max_len, void* row_states,
+                              int algo, int graph_safe, void* stream) {
+  using namespace flashinfer::sampling;
+  auto* states = static_cast<RadixRowState*>(row_states);
+  auto s = static_cast<cudaStream_t>(stream);
+  cudaError_t err;
+  if (algo == 1) {
+    err = FilteredTopKRaggedTransform<float, int>(input, out, offsets, lengths, nullptr, num_rows, k,
+                                                  max_len, false, TopKTieBreak::None, s, graph_safe != 0);
+  } else if (algo == 2) {
+    err = RadixTopKRaggedTransformMultiCTA<float, int>(input, out, offsets, lengths, nullptr, num_rows,
+                                                       k, max_len, states, false, s);
+  } else {
+    err = TopKRaggedTransformDispatch<float, int>(input, out, offsets, lengths, nullptr, num_rows, k,
+                                                  max_len, states, false, TopKTieBreak::None, s,
+                                                  graph_safe != 0);
+  }
+  return static_cast<int>(err);
+}
+
+extern "C" int fi_row_states_bytes() { return static_cast<int>(sizeof(flashinfer::sampling::RadixRowState)); }
