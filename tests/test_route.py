@@ -4,6 +4,7 @@ the device, never of a larger capacity."""
 from __future__ import annotations
 
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -185,3 +186,9 @@ def test_a_cpu_workspace_says_why_it_has_no_cuda_topk():
     assert not ok and "not a CUDA device" in why
     assert ws.route(4, 4096, 1, score=False).kind == RADIX
     assert IndexerTopkWorkspace(4, 2048, 0, "cpu", num_sms=132).cuda_topk_status[0] is False
+    info = ws.device_info()
+    assert not info.cuda_topk and info.cluster_smem == 0  # no cluster route without the CUDA top-k
+    if not torch.cuda.is_available():
+        from vllm_sparse_sync.kernels.cuda_topk import cluster_smem_limit
+
+        assert cluster_smem_limit(0) == 0
