@@ -212,7 +212,19 @@ def test_merge_of_simulated_ranks_equals_the_reference_with_nan_and_ties(gen, wo
         keys.append(dcp.candidate_keys(s, dcp.local_to_global(idx, world, rank, interleave)))
     merged = dcp.merge_candidate_keys(torch.stack(keys), k)
     want = ref.topk_indices(logits, torch.full((rows,), length, dtype=torch.int32), k)
-    assert torch.equal(merged, want)
+    for r in range(rows):  # ties to the lowest positions: the reference's set, exactly
+        assert sorted(merged[r].tolist()) == sorted(want[r].tolist())
+
+
+def test_the_merge_writes_the_k_largest_keys_in_gathered_order():
+    pad = dcp.PAD_KEY
+    keys = torch.tensor([[[10, 5, pad]], [[7, 10, 3]]])  # world 2, one row, 3 slots per rank
+    ids = dcp.key_ids(keys).view(-1).tolist()  # gathered order: rank 0's slots, then rank 1's
+    assert dcp.merge_candidate_keys(keys, 2)[0].tolist() == [ids[0], ids[4]]  # both 10s
+    assert dcp.merge_candidate_keys(keys, 1)[0].tolist() == [ids[0]]  # the first 10 gathered
+    assert dcp.merge_candidate_keys(keys, 5)[0].tolist() == [ids[0], ids[1], ids[3], ids[4], ids[5]]
+    # fewer real keys than k: every real key, then -1 (padding keys are never ids)
+    assert dcp.merge_candidate_keys(keys, 8)[0].tolist() == [ids[i] for i in (0, 1, 3, 4, 5)] + [-1] * 3
 
 
 @settings(max_examples=25, deadline=None)

@@ -60,7 +60,7 @@ def _gpu_exact(ctx, cases):
         logits = ref.paged_indexer_logits(q.cpu(), w.cpu(), cache.cpu(), gmeta.block_table.cpu(),
                                           gmeta.row_lens.cpu(), width)
         eff = ref.effective_lengths(gmeta.row_lens.cpu(), width)
-        # DCP rows come score-ordered; topk_violations wants short rows in position order
+        # DCP rows come in gathered order; topk_violations wants short rows in position order
         big = torch.iinfo(torch.int32).max
         ordered = torch.sort(torch.where(got >= 0, got, torch.full_like(got, big)), 1).values
         ordered = torch.where(ordered == big, torch.full_like(ordered, -1), ordered)

@@ -66,9 +66,11 @@ def key_ids(keys: torch.Tensor) -> torch.Tensor:
 def merge_candidate_keys(keys: torch.Tensor, k: int) -> torch.Tensor:
     """Exact global top-``k`` of gathered candidate keys ``int64 [world, rows, k_local]``.
 
-    Returns ``int32 [rows, k]`` global ids, score descending then lowest id first, ``-1``
-    padded. Static shapes, no host reads: capturable. Exact because every winner of the global
-    top-k is in the local top-k of the rank that owns it, and keys are unique per row.
+    Returns ``int32 [rows, k]`` global ids of the ``k`` largest keys of each row (a key equal to
+    the k-th largest taken first where it comes first in the gathered order), in the gathered
+    order (rank, then slot), then ``-1`` padding (padding keys are never ids). Static shapes, no
+    host reads: capturable. Exact because every winner of the global top-k is in the local
+    top-k of the rank that owns it, and the keys of real candidates are unique per row.
     """
     if keys.dim() != 3 or keys.dtype != torch.int64:
         raise ValueError(f"keys: must be int64 [world, rows, k_local], got {keys.dtype} "
@@ -76,21 +78,31 @@ def merge_candidate_keys(keys: torch.Tensor, k: int) -> torch.Tensor:
     if isinstance(k, bool) or not isinstance(k, int) or k <= 0:
         raise ValueError(f"k: must be a positive int, got {k!r}")
     world, rows, k_local = keys.shape
-    flat = keys.permute(1, 0, 2).reshape(rows, world * k_local)
-    take = min(k, world * k_local)
-    top = torch.topk(flat, take, dim=1, largest=True, sorted=True).values if take else flat[:, :0]
-    ids = key_ids(top)
-    if take < k:
-        ids = torch.cat([ids, torch.full((rows, k - take), -1, dtype=ids.dtype, device=ids.device)], 1)
-    return ids
+    n = world * k_local
+    flat = keys.permute(1, 0, 2).reshape(rows, n)
+    take = min(k, n)
+    if take == 0:
+        return torch.full((rows, k), -1, dtype=torch.int32, device=keys.device)
+    kth = torch.topk(flat, take, dim=1, largest=True, sorted=False).values.min(dim=1, keepdim=True).values
+    above = flat > kth
+    tie = flat == kth
+    need = take - above.sum(dim=1, keepdim=True)
+    sel = (above | (tie & (tie.cumsum(dim=1) <= need))) & (flat != PAD_KEY)
+    # output slot j takes the (j + 1)-th selected key in gathered order
+    rank = sel.cumsum(dim=1)
+    slots = torch.arange(1, k + 1, device=keys.device).expand(rows, k).contiguous()
+    src = torch.searchsorted(rank, slots).clamp_max(n - 1)
+    ids = key_ids(flat).gather(1, src)
+    return torch.where(slots <= rank[:, -1:], ids, torch.full_like(ids, -1))
 
 
 def merge_topk_candidates(scores: torch.Tensor, global_ids: torch.Tensor, k: int) -> torch.Tensor:
     """Exact global top-``k`` from gathered per-rank candidates.
 
     ``scores`` fp32 and ``global_ids`` int ``[world, rows, k_local]`` (``-1`` ids are padding).
-    Returns ``int32 [rows, k]``: score descending (in the kernels' order: NaN lowest), ties to
-    the lowest global id, ``-1`` padded.
+    Returns ``int32 [rows, k]``: the global ids of the ``k`` best candidates (scores in the
+    kernels' order: NaN lowest; ties to the lowest global id) in the gathered order (rank, then
+    slot), ``-1`` padded.
     """
     if scores.shape != global_ids.shape or scores.dim() != 3:
         raise ValueError(

@@ -23,7 +23,7 @@ version of the reference (dense, for small shapes: tests and gloo on CPUs).
 Around the all-gather, on CUDA (``merge_route``), two Triton kernels
 (``kernels.triton_dcp_merge``) replace the chains of small torch ops: one writes the send
 buffer (step 2, the scores read from the scorer's logits at the selected positions), one does
-steps 4 and 5 for each row (a ``tl.sort`` of its ``W * k`` keys) into the persistent output
+steps 4 and 5 for each row (a radix select over its ``W * k`` keys) into the persistent output
 buffers. Both write exactly what the torch ops write; those stay the route on CPU tensors and
 the reference. Rows of more than ``triton_dcp_merge.MAX_MERGE_KEYS`` (4096) keys (world 4 or more with
 k 2048) take the torch merge after the send kernel.
@@ -55,10 +55,11 @@ MERGE_ROUTES = ("auto", "triton", "torch")
 class DcpTopk:
     """A DCP step's result for ``rows`` decode rows; views of the step's persistent buffers.
 
-    ``global_idx``: ``int32 [rows, k]`` global kernel-row positions of the exact global top-k,
-    score descending then lowest position first, ``-1`` padded (equal as a set, row by row, to
-    a single-process top-k over the whole row). ``local_idx``: ``int32 [rows, k]`` this rank's
-    local position of each selected token, ``-1`` where another rank owns it (and for padding).
+    ``global_idx``: ``int32 [rows, k]`` global kernel-row positions of the exact global top-k
+    in the gathered order (by rank, then each rank's candidate order), ``-1`` padded (equal as
+    a set, row by row, to a single-process top-k over the whole row: the set is the contract).
+    ``local_idx``: ``int32 [rows, k]`` this rank's local position of each selected token, ``-1``
+    where another rank owns it (and for padding).
     ``local_mask``: ``bool [rows, k]``, ``local_idx >= 0``.
     """
 

@@ -5,18 +5,18 @@ send buffer: the local -> global map (``dcp.local_to_global``), the score (read 
 caller's ``[rows, k]`` scores, or gathered from the scorer's logits row at the local position)
 and the key packing (``dcp.candidate_keys``) in one launch.
 
-``dcp_merge``: per row, the ``world * k_local`` gathered keys, padded to a power of two with
-``dcp.PAD_KEY``, sorted descending (``tl.sort``); the first ``k`` are the exact global top-k.
-Their ids (``dcp.key_ids``), this rank's local positions (``dcp.global_to_local``) and the
-mask ``local_idx >= 0`` go to the caller's buffers in the same launch (``dcp.merge_candidate_keys``
-+ remap in one kernel). A row's keys live in one program's registers: rows of more than
-``MAX_MERGE_KEYS`` keys (world 4 or more with k 2048) are not handled here; the caller takes the
-torch path for them (``merge_fits``).
+``dcp_merge``: per row, the ``world * k_local`` gathered keys (padded to a power of two with
+``dcp.PAD_KEY``); eight 8-bit radix passes (``tl.histogram``) find the k-th largest key, and the
+keys above it, then its first copies in gathered order, are the exact global top-k, written in
+the gathered order. Their ids (``dcp.key_ids``), this rank's local positions
+(``dcp.global_to_local``) and the mask ``local_idx >= 0`` go to the caller's buffers in the same
+launch (``dcp.merge_candidate_keys`` + remap in one kernel). A row's keys live in one program's
+registers: rows of more than ``MAX_MERGE_KEYS`` keys (world 4 or more with k 2048) are not
+handled here; the caller takes the torch path for them (``merge_fits``).
 
-Both write exactly what the torch ops write, element for element: a sorted int64 row is the
-same whatever order equal keys come in, and every step after the sort is elementwise with the
-torch ops' integer arithmetic (int64 wrap-around, int32 truncation where they cast). One program
-per row, static shapes, no host reads: capturable.
+Both write exactly what the torch ops write, element for element: the same selection rule and
+order, and elementwise steps with the torch ops' integer arithmetic (int64 wrap-around, int32
+truncation where they cast). One program per row, static shapes, no host reads: capturable.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from .triton_common import sortable_key
 
 MAX_MERGE_KEYS = 4096
 """Most gathered keys per row (``world * k_local``, padded to a power of two) one merge program
-sorts in registers; above it ``merge_fits`` is False and the torch merge runs instead."""
+holds in registers; above it ``merge_fits`` is False and the torch merge runs instead."""
 
 SEND_BLOCK = 1024
 
@@ -74,7 +74,8 @@ def dcp_send_keys_kernel(idx_ptr, idx_stride, score_ptr, score_stride, send_ptr,
 def dcp_merge_kernel(keys_ptr, world_stride, row_stride, gidx_ptr, lidx_ptr, mask_ptr, out_stride,
                      K: tl.constexpr, K_LOCAL: tl.constexpr, W: tl.constexpr, IL: tl.constexpr,
                      RANK: tl.constexpr, N: tl.constexpr):
-    """Row ``program_id(0)``: sort its ``W * K_LOCAL`` keys (``N``: a power of two), keep ``K``."""
+    """Row ``program_id(0)``: select the ``K`` largest of its ``W * K_LOCAL`` keys (``N``: a power
+    of two) by eight 8-bit radix passes, then write them in the gathered order."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, N)
     valid = offs < W * K_LOCAL
@@ -82,23 +83,49 @@ def dcp_merge_kernel(keys_ptr, world_stride, row_stride, gidx_ptr, lidx_ptr, mas
     key = tl.load(keys_ptr + tl.where(valid, src, 0), mask=valid, other=0)
     pad = _pad_key(key)
     key = tl.where(valid, key, pad)
-    key = tl.sort(key, descending=True)
+    # the take-th largest key (take = min(K, W * K_LOCAL)), its digits from the top: unsigned order
+    # of key ^ 2**63 is the signed order of key
+    u = key ^ pad
+    bins = tl.arange(0, 512)
+    take = min(K, W * K_LOCAL)
+    need = tl.full((), take, tl.int32)
+    alive = valid
+    for p in tl.static_range(8):
+        digit = ((u >> (56 - 8 * p)) & 255).to(tl.int32)
+        hist = tl.histogram(tl.where(alive, digit, 256), 512)  # bin 256 collects the others
+        hist = tl.where(bins < 256, hist, 0)
+        at_least = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist  # alive keys with digit >= bin
+        d = tl.max(tl.where((at_least >= need) & (bins < 256), bins, -1), axis=0)
+        above_d = tl.sum(tl.where(bins == d, at_least - hist, 0), axis=0)
+        need = need - above_d
+        alive = alive & (digit == d)
+    kth = tl.max(tl.where(alive, key, pad), axis=0)
+    above = valid & (key > kth)
+    tie = valid & (key == kth)
+    tie_rank = tl.cumsum(tie.to(tl.int32), axis=0)
+    sel = (above | (tie & (tie_rank <= need))) & (key != pad)
+    pos = tl.cumsum(sel.to(tl.int32), axis=0) - 1
+    count = tl.sum(sel.to(tl.int32), axis=0)
     # dcp.key_ids
-    ids = tl.where(key != pad, _low32(key) - (key & _low32(key)), -1).to(tl.int32)
+    ids = (_low32(key) - (key & _low32(key))).to(tl.int32)
     # dcp.global_to_local on the int32 ids
     g = ids.to(tl.int64)
     owned = (g >= 0) & ((g // IL) % W == RANK)
     lp = (g // (IL * W)) * IL + g % IL
     local = tl.where(owned, lp, -1).to(tl.int32)
-    out = row * out_stride + offs
-    keep = offs < K
-    tl.store(gidx_ptr + out, ids, mask=keep)
-    tl.store(lidx_ptr + out, local, mask=keep)
-    tl.store(mask_ptr + out, (local >= 0).to(tl.uint8), mask=keep)
+    out = row * out_stride + pos
+    tl.store(gidx_ptr + out, ids, mask=sel)
+    tl.store(lidx_ptr + out, local, mask=sel)
+    tl.store(mask_ptr + out, (local >= 0).to(tl.uint8), mask=sel)
+    rest = (offs >= count) & (offs < K)  # -1 padding after the selected ids
+    tail = row * out_stride + offs
+    tl.store(gidx_ptr + tail, tl.full((N,), -1, tl.int32), mask=rest)
+    tl.store(lidx_ptr + tail, tl.full((N,), -1, tl.int32), mask=rest)
+    tl.store(mask_ptr + tail, tl.zeros((N,), tl.uint8), mask=rest)
 
 
 def merge_width(world: int, k_local: int, k: int) -> int:
-    """Keys one merge program sorts: ``max(world * k_local, k)`` up to a power of two."""
+    """Keys one merge program holds: ``max(world * k_local, k)`` up to a power of two."""
     return triton.next_power_of_2(max(world * k_local, k))
 
 
