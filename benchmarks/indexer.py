@@ -263,8 +263,9 @@ def load_flashinfer_topk():
     return lib
 
 
-def bench_flashinfer_topk(lib, inp: Inputs, ncalls: int, res: dict) -> None:
-    """FlashInfer's ragged top-k (offsets 0: plain indices) on the buffers vLLM's top-k gets."""
+def peer_logits(inp: Inputs, ncalls: int):
+    """The dense logits the peer top-k kernels get: ``(width, copies, first, copies list)``, a
+    128K-wide buffer (``-inf`` past the live length) where it fits, rotated past L2."""
     from vllm_sparse_sync.kernels import triton_ops as tk
 
     B, L = inp.B, inp.L
@@ -272,7 +273,15 @@ def bench_flashinfer_topk(lib, inp: Inputs, ncalls: int, res: dict) -> None:
     nl = max(2, min(ncalls, math.ceil(L2_BYTES / (B * width * 4)), 16))
     base = torch.full((B, width), float("-inf"), device=DEV)
     base[:, :L] = tk.paged_indexer_logits(*inp.args(0), L)
-    bufs = [base] + [base.clone() for _ in range(nl - 1)]
+    return width, nl, base, [base] + [base.clone() for _ in range(nl - 1)]
+
+
+def bench_flashinfer_topk(lib, inp: Inputs, ncalls: int, res: dict) -> None:
+    """FlashInfer's ragged top-k (offsets 0: plain indices) on the buffers vLLM's top-k gets."""
+    from vllm_sparse_sync.kernels import triton_ops as tk
+
+    B = inp.B
+    width, nl, base, bufs = peer_logits(inp, ncalls)
     offsets = torch.zeros(B, dtype=torch.int32, device=DEV)
     lens = inp.lens.to(torch.int32).clone()
     states = torch.zeros(1 << 20, dtype=torch.uint8, device=DEV)  # zeroed once, as FlashInfer does
@@ -319,14 +328,8 @@ def bench_deepgemm(dg, inp: Inputs, ncalls: int, res: dict) -> None:
 
 
 def bench_vllm_topk(ops, inp: Inputs, ncalls: int, res: dict) -> None:
-    from vllm_sparse_sync.kernels import triton_ops as tk
-
     B, L = inp.B, inp.L
-    width = WIDE if B * WIDE * 4 < 2e9 else L
-    nl = max(2, min(ncalls, math.ceil(L2_BYTES / (B * width * 4)), 16))
-    base = torch.full((B, width), float("-inf"), device=DEV)
-    base[:, :L] = tk.paged_indexer_logits(*inp.args(0), L)
-    bufs = [base] + [base.clone() for _ in range(nl - 1)]
+    _, nl, _, bufs = peer_logits(inp, ncalls)
     ws = torch.empty(1024 * 1024, dtype=torch.uint8, device=DEV)
     out = torch.full((B, TOPK), -1, dtype=torch.int32, device=DEV)
     for name in ("persistent", "cooperative"):
