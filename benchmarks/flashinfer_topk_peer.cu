@@ -2,6 +2,7 @@
 // benchmarks/peers_flashinfer.sh), for timing it beside ours. Benchmark code, not part of the
 // package: it only forwards raw pointers to FlashInfer's own host dispatch.
 //   algo 0: FlashInfer's dispatch heuristic; 1: its filtered kernel; 2: its multi-CTA radix.
+#include <flashinfer/math.cuh>  // topk.cuh uses math:: without including it
 #include <flashinfer/topk.cuh>
 
 extern "C" int fi_topk_ragged(float* input, int* out, const int* offsets, int* lengths,

@@ -11,7 +11,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from vllm_sparse_sync.kernels import cuda_topk
+from vllm_sparse_sync.kernels import cuda_dcp_merge, cuda_topk
 from vllm_sparse_sync.kernels import cuda_topk_emu as emu
 from vllm_sparse_sync.kernels import reference as ref
 from vllm_sparse_sync.kernels.verify import topk_violations
@@ -184,10 +184,12 @@ def test_kernel_source_compiles_for_sm90(output):
             for aligned, threads in itertools.product((True, False), cuda_topk.CLUSTER_THREADS):
                 assert f".entry {cuda_topk.cluster_kernel_name(cluster, aligned, threads)}" in text
                 assert ".reqnctapercluster" in text  # compiled cluster dims: a plain launch clusters
+        for per in cuda_dcp_merge.KEYS_PER_THREAD:  # the DCP merge, in the same module
+            assert f".entry dcp_merge_p{per}(" in text
     else:
         spills = [line for line in log.splitlines() if "spill" in line]
         clusters = len(cuda_topk.CLUSTER_SIZES) * len(cuda_topk.CLUSTER_THREADS)
-        kernels = 2 * (len(cuda_topk.VARIANTS) + clusters)
+        kernels = 2 * (len(cuda_topk.VARIANTS) + clusters) + len(cuda_dcp_merge.KEYS_PER_THREAD)
         assert len(spills) == kernels, log  # ptxas -v: one line per kernel
         assert all("0 bytes spill stores, 0 bytes spill loads" in line for line in spills), log
 

@@ -135,6 +135,8 @@ def _construct(ctx, how: str):
     elif how == "max_rows" and ctx.rank == 0:
         kw["max_rows"] = 0
     elif how == "merge_route" and ctx.rank == 1:
+        kw["merge_route"] = "sorted"
+    elif how == "cuda_merge_on_cpu" and ctx.rank == 1:
         kw["merge_route"] = "cuda"
     try:
         DcpIndexerStep(lay, **kw)
@@ -148,7 +150,8 @@ def _construct(ctx, how: str):
     ("rank", "rank 1: layout.dcp_rank=0 is not this process's rank 1"),
     ("topk", "rank 1: topk=32 differs from rank 0's 16"),
     ("max_rows", "rank 0: max_rows: must be a positive int, got 0"),
-    ("merge_route", "rank 1: merge_route: must be one of auto, triton, torch, got 'cuda'"),
+    ("merge_route", "rank 1: merge_route: must be one of auto, cuda, triton, torch, got 'sorted'"),
+    ("cuda_merge_on_cpu", "rank 1: merge_route='cuda': the CUDA merge cannot run here (device cpu)"),
 ])
 def test_a_misconfigured_rank_gets_the_same_clear_error_on_every_rank(multirank, how, text):
     msgs = multirank.run(_construct, how, world_size=2, timeout=60)

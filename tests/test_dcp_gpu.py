@@ -74,14 +74,17 @@ def _gpu_exact(ctx, cases):
 
 
 def _kernels_equal_torch(ctx, step, res, rows, case) -> list[str]:
-    """The step's Triton send keys and merge + remap against the torch ops on the same data
+    """The step's send-key and merge + remap kernels against the torch ops on the same data
     (its local top-k and logits, its gathered buffer), element for element."""
     from vllm_sparse_sync import dcp
 
     world, rank, k, inter = ctx.world_size, ctx.rank, case.k, case.interleave
     errors = []
-    if (step.send_route, step.merge_route) != ("triton", "triton"):
-        errors.append(f"{case}: routes {step.send_route}/{step.merge_route}, not the Triton ones")
+    from vllm_sparse_sync.kernels.cuda_dcp_merge import merge_fits, status
+
+    want_merge = "cuda" if status(step.device)[0] and merge_fits(world, k) else "triton"
+    if (step.send_route, step.merge_route) != ("triton", want_merge):
+        errors.append(f"{case}: routes {step.send_route}/{step.merge_route}, not triton/{want_merge}")
     idx = step.local_topk[:rows]
     s = step.inner.workspace.logits[:rows].gather(1, idx.clamp_min(0).long())
     s = torch.where(idx >= 0, s, torch.full_like(s, float("-inf")))

@@ -20,13 +20,13 @@ one CUDA graph. On CUDA the local stage is the Triton scorer and the planner's u
 read from the workspace); elsewhere a sync-free torch
 version of the reference (dense, for small shapes: tests and gloo on CPUs).
 
-Around the all-gather, on CUDA (``merge_route``), two Triton kernels
-(``kernels.triton_dcp_merge``) replace the chains of small torch ops: one writes the send
-buffer (step 2, the scores read from the scorer's logits at the selected positions), one does
+Around the all-gather, on CUDA (``merge_route``), kernels replace the chains of small torch
+ops: a Triton kernel (``kernels.triton_dcp_merge.dcp_send_keys``) writes the send buffer (step
+2, the scores read from the scorer's logits at the selected positions), and a merge kernel does
 steps 4 and 5 for each row (a radix select over its ``W * k`` keys) into the persistent output
-buffers. Both write exactly what the torch ops write; those stay the route on CPU tensors and
-the reference. Rows of more than ``triton_dcp_merge.MAX_MERGE_KEYS`` (4096) keys (world 4 or more with
-k 2048) take the torch merge after the send kernel.
+buffers: the CUDA one (``kernels.cuda_dcp_merge``, rows of up to 16384 keys: world 8 at k 2048)
+where NVRTC is available, else the Triton one (up to 4096 keys), else torch. All write exactly
+what the torch ops write; those stay the route on CPU tensors and the reference.
 
 Contract: every rank of the group calls ``run`` with the same number of rows (the same decode
 batch; only the lengths differ by rank), as vLLM's DCP ranks do. Construction checks the
@@ -48,7 +48,7 @@ from .metadata import IndexerDecodeMetadata
 from .step import IndexerStep
 
 LOCAL_ROUTES = ("auto", "triton", "torch")
-MERGE_ROUTES = ("auto", "triton", "torch")
+MERGE_ROUTES = ("auto", "cuda", "triton", "torch")
 
 
 @dataclass(frozen=True)
@@ -131,6 +131,30 @@ def torch_local_candidates(q_fp8: torch.Tensor, weights: torch.Tensor, k_cache: 
     return idx, scores
 
 
+def _merge_route(asked: str, device: torch.device, world: int, k: int) -> str:
+    """The merge + remap route that runs: ``asked``, or for ``"auto"`` the CUDA kernel where it
+    can run and takes rows of ``world * k`` keys, else the Triton kernel where it fits, else
+    torch; on a CPU device ``"auto"`` is torch. A kernel route that cannot take the rows falls
+    back to torch; ``"cuda"`` on a device where the CUDA merge cannot run is an error."""
+    from .kernels import cuda_dcp_merge
+    from .kernels.triton_dcp_merge import merge_fits
+
+    if asked == "auto" and device.type != "cuda":
+        return "torch"
+    if asked in ("auto", "cuda"):
+        ok, why = cuda_dcp_merge.status(device) if device.type == "cuda" else (False, f"device {device}")
+        if ok and cuda_dcp_merge.merge_fits(world, k):
+            return "cuda"
+        if asked == "cuda" and not ok:
+            raise ValueError(f"merge_route='cuda': the CUDA merge cannot run here ({why})")
+        if asked == "cuda":
+            return "torch"
+        asked = "triton"
+    if asked == "triton" and not merge_fits(world, k, k):  # too many keys for one program
+        return "torch"
+    return asked
+
+
 def _group_info(group) -> tuple[int, int]:
     import torch.distributed as dist
 
@@ -160,11 +184,12 @@ class DcpIndexerStep:
     wrong, so no rank is left waiting in a later collective.
 
     ``local_route``: the local scorer and top-k, ``"triton"`` or ``"torch"``; ``merge_route``:
-    the send keys and the merge + remap, ``"triton"`` (kernels) or ``"torch"`` (the reference
-    ops; the same output, element for element). ``"auto"``: Triton on CUDA devices, torch
-    elsewhere (``"triton"`` on CPU tensors needs ``TRITON_INTERPRET=1``). The Triton merge
-    takes rows of up to ``MAX_MERGE_KEYS`` keys; above, the step merges with torch
-    (``merge_route`` then reads ``"torch"``; ``send_route`` stays ``"triton"``).
+    the merge + remap, ``"cuda"`` (the NVRTC kernel), ``"triton"`` or ``"torch"`` (the
+    reference ops; the same output, element for element). ``"auto"``: on CUDA devices the CUDA
+    merge where NVRTC is available, else Triton; torch elsewhere (``"triton"`` on CPU tensors
+    needs ``TRITON_INTERPRET=1``). A kernel that cannot take rows of ``world * k`` keys (Triton:
+    4096, CUDA: 16384) leaves the merge to torch (``merge_route`` then reads ``"torch"``); the
+    send keys stay on the Triton kernel (``send_route``) unless ``"torch"`` was asked.
     """
 
     def __init__(self, layout: IndexerLayout, group=None, *, max_rows: int, max_pages_per_req: int,
@@ -174,7 +199,12 @@ class DcpIndexerStep:
         self.group = group
         problems = self._local_problems(layout, world, rank, max_rows, max_pages_per_req, config,
                                         local_route, merge_route)
-        settings = None
+        settings = resolved_merge = None
+        if not problems:
+            try:
+                resolved_merge = _merge_route(merge_route, torch.device(device), world, layout.topk)
+            except ValueError as exc:
+                problems.append(str(exc))
         if not problems:
             settings = (layout.topk, layout.cp_interleave, layout.compress_ratio, layout.page_size,
                         str(layout.backend.value), max_rows)
@@ -191,15 +221,10 @@ class DcpIndexerStep:
         if local_route == "auto":
             local_route = "triton" if self.device.type == "cuda" else "torch"
         self.local_route = local_route
-        if merge_route == "auto":
-            merge_route = "triton" if self.device.type == "cuda" else "torch"
-        self.send_route = merge_route  # the send-key kernel takes any world and k
-        if merge_route == "triton":
-            from .kernels.triton_dcp_merge import merge_fits
-
-            if not merge_fits(world, layout.topk, layout.topk):  # too many keys for one program
-                merge_route = "torch"
-        self.merge_route = merge_route
+        self.merge_route = resolved_merge
+        # the send-key kernel takes any world and k: Triton wherever a merge kernel may run
+        torch_send = merge_route == "torch" or (merge_route == "auto" and self.device.type != "cuda")
+        self.send_route = "torch" if torch_send else "triton"
         k = self.k
         i32 = dict(dtype=torch.int32, device=self.device)
         self.local_topk = torch.full((max_rows, k), -1, **i32)
@@ -353,6 +378,12 @@ class DcpIndexerStep:
             send.view(rows, k).copy_(dcp.candidate_keys(scores, gids))
         gathered = self.gathered[:world * rows * k]
         self._gather(gathered, send, group=self.group)
+        if self.merge_route == "cuda":
+            from .kernels.cuda_dcp_merge import cuda_dcp_merge
+
+            cuda_dcp_merge(gathered.view(world, rows, k), k, out.global_idx, out.local_idx,
+                           out.local_mask, world=world, rank=self.rank, interleave=inter)
+            return out
         if self.merge_route == "triton":
             from .kernels.triton_dcp_merge import dcp_merge
 

@@ -320,6 +320,148 @@ TOPK_KERNEL(512, 8, 1)
 TOPK_KERNEL(512, 8, 0)
 
 // ---------------------------------------------------------------------------------------------
+// DCP merge (any arch): one CTA of 1024 threads per row merges the world * k_local gathered
+// int64 candidate keys (dcp.candidate_keys: score, then lowest global id; dcp.PAD_KEY padding)
+// into the exact global top-k, as dcp.merge_candidate_keys + dcp.global_to_local specify:
+//
+//   keys     thread t holds gathered elements t * PER .. t * PER + PER - 1 (gathered order is
+//            thread order), as u = key ^ 2^63 (unsigned order = signed order; padding is 0).
+//   select   radix passes of 11 bits from the top (11 x 5, then 9) over keys still matching
+//            the resolved prefix (one shared-memory add per distinct bin of a warp: tied scores
+//            share bins); the bin of the take-th largest (take = min(k, n)); stop once
+//            the bin holds exactly the keys still needed (usually after the score's 32 bits:
+//            real keys are unique per row).
+//   write    keys above the prefix, and the first `need` keys equal to it in gathered order,
+//            except padding, go to consecutive slots in gathered order (two block scans); their
+//            ids, this rank's local positions and the ownership mask are written, then -1 / -1
+//            / 0 up to k.
+// ---------------------------------------------------------------------------------------------
+typedef unsigned long long u64;
+
+// exclusive prefix of per-thread counts over the block in thread order (THREADS threads);
+// `total` gets the block's sum. Three barriers' worth (warps_excl_scan); every thread calls it.
+template <int THREADS>
+__device__ __forceinline__ u32 block_excl_scan(u32 v, u32* s_warp, u32& total) {
+    const int lane = threadIdx.x & 31;
+    const u32 incl = warp_incl_scan(v, lane);
+    const u32 warp_total = __shfl_sync(FULL_MASK, incl, 31);
+    return warps_excl_scan<THREADS / 32>(warp_total, s_warp, total) + incl - v;
+}
+
+template <int PER>
+__device__ __forceinline__ void dcp_merge_row(const i64* __restrict__ keys, i64 stride_w, i64 stride_r,
+                                              int world, int k_local, int k, int il, int rank,
+                                              int* __restrict__ gidx, int* __restrict__ lidx,
+                                              unsigned char* __restrict__ lmask, i64 stride_o) {
+    constexpr int THREADS = 1024;
+    constexpr int BINS = 2048;
+    __shared__ u32 hist[BINS];
+    __shared__ u32 s_warp[THREADS / 32 + 1];
+    __shared__ u32 s_res[3];
+    const int row = blockIdx.x, tid = threadIdx.x;
+    const int n = world * k_local;
+    const int j0 = tid * PER;
+
+    u64 u[PER];
+#pragma unroll
+    for (int e = 0; e < PER; ++e) {
+        const int j = j0 + e;
+        u[e] = 0ull;
+        if (j < n) {
+            const int w = j / k_local, c = j - w * k_local;
+            u[e] = (u64)keys[(i64)w * stride_w + (i64)row * stride_r + c] ^ 0x8000000000000000ull;
+        }
+    }
+    const u32 take = (u32)(k < n ? k : n);
+    u64 prefix = 0ull;
+    int rbits = 0;
+    u32 need = take, cnt = 0xffffffffu;
+    while (take > 0u && rbits < 64 && cnt != need) {  // block-uniform
+        const int width = rbits + 11 <= 64 ? 11 : 64 - rbits;
+        const int shift = 64 - rbits - width;
+        const u32 mask = (1u << width) - 1u;
+        for (int i = tid; i < BINS; i += THREADS) hist[i] = 0u;
+        __syncthreads();
+#pragma unroll
+        for (int e = 0; e < PER; ++e) {  // one add per distinct bin of the warp (tied scores)
+            const bool alive = j0 + e < n && (rbits == 0 || (u[e] >> (64 - rbits)) == prefix);
+            const u32 bin = alive ? (u32)(u[e] >> shift) & mask : 0xffffffffu;
+            const u32 peers = __match_any_sync(FULL_MASK, bin);
+            if (alive && (threadIdx.x & 31) == __ffs(peers) - 1) atomicAdd(&hist[bin], __popc(peers));
+        }
+        __syncthreads();
+        find_bin<THREADS>(hist, BINS, need, s_warp, s_res);
+        prefix = (prefix << width) | (u64)s_res[0];
+        rbits += width;
+        need = s_res[1];
+        cnt = s_res[2];
+    }
+
+    // which of this thread's keys are taken, in gathered order
+    const int shift = 64 - rbits;
+    bool above[PER], tie[PER];
+    u32 n_tie = 0;
+#pragma unroll
+    for (int e = 0; e < PER; ++e) {
+        const bool live = take > 0u && j0 + e < n;
+        const u64 hi = shift >= 64 ? 0ull : (u[e] >> shift);
+        above[e] = live && hi > prefix;
+        tie[e] = live && hi == prefix;
+        n_tie += tie[e] ? 1u : 0u;
+    }
+    u32 total;
+    u32 tie_rank = block_excl_scan<THREADS>(n_tie, s_warp, total);
+    u32 n_sel = 0;
+    bool sel[PER];
+#pragma unroll
+    for (int e = 0; e < PER; ++e) {
+        bool s = above[e];
+        if (tie[e]) {
+            s = tie_rank < need;
+            ++tie_rank;
+        }
+        sel[e] = s && u[e] != 0ull;  // padding is never an id
+        n_sel += sel[e] ? 1u : 0u;
+    }
+    u32 count;
+    u32 slot = block_excl_scan<THREADS>(n_sel, s_warp, count);
+    const i64 base = (i64)row * stride_o;
+#pragma unroll
+    for (int e = 0; e < PER; ++e) {
+        if (!sel[e]) continue;
+        // dcp.key_ids, then dcp.global_to_local on the int32 id
+        const int id = (int)(0xffffffffu - (u32)(u[e] & 0xffffffffull));
+        const i64 g = (i64)id;
+        const bool owned = g >= 0 && (g / il) % world == rank;
+        const int lp = owned ? (int)((g / ((i64)il * world)) * il + g % il) : -1;
+        gidx[base + slot] = id;
+        lidx[base + slot] = lp;
+        lmask[base + slot] = lp >= 0 ? 1 : 0;
+        ++slot;
+    }
+    for (int i = (int)count + tid; i < k; i += THREADS) {
+        gidx[base + i] = -1;
+        lidx[base + i] = -1;
+        lmask[base + i] = 0;
+    }
+}
+
+#define DCP_MERGE_KERNEL(P)                                                                        \
+    extern "C" __global__ void __launch_bounds__(1024) dcp_merge_p##P(                             \
+        const i64* __restrict__ keys, i64 stride_w, i64 stride_r, int world, int k_local, int k,  \
+        int il, int rank, int* __restrict__ gidx, int* __restrict__ lidx,                          \
+        unsigned char* __restrict__ lmask, i64 stride_o) {                                         \
+        dcp_merge_row<P>(keys, stride_w, stride_r, world, k_local, k, il, rank, gidx, lidx, lmask, \
+                         stride_o);                                                                \
+    }
+
+DCP_MERGE_KERNEL(1)
+DCP_MERGE_KERNEL(2)
+DCP_MERGE_KERNEL(4)
+DCP_MERGE_KERNEL(8)
+DCP_MERGE_KERNEL(16)
+
+// ---------------------------------------------------------------------------------------------
 // Cluster route (sm_90+): C CTAs of one thread-block cluster share a row. The same passes, tie
 // rule and output as topk_row above (cuda_topk_emu.py stays the specification); only where keys
 // live changes:

@@ -406,7 +406,6 @@ def launch_cuda_topk_cluster(
 
 def _launch(mod, fn, grid, threads, smem, x, stride_r, row_lens, active, out, k, sel_width, nan_low,
             extra: tuple) -> None:
-    driver = mod.driver
     lens64 = _int_dtype_flag(row_lens, "row_lens")
     if active is not None:
         active64 = _int_dtype_flag(active, "active_width")
@@ -427,8 +426,15 @@ def _launch(mod, fn, grid, threads, smem, x, stride_r, row_lens, active, out, k,
         ctypes.c_int(1 if nan_low else 0),
         *extra,
     )
+    launch_values(mod, fn, grid, threads, smem, values, x.device)
+
+
+def launch_values(mod, fn, grid, threads: int, smem: int, values: tuple, device: torch.device) -> None:
+    """Launch ``fn`` of ``mod`` with ctypes ``values`` as its parameters on torch's current
+    stream of ``device`` (captured when that stream captures)."""
+    driver = mod.driver
     params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
-    stream = torch.cuda.current_stream(x.device).cuda_stream
+    stream = torch.cuda.current_stream(device).cuda_stream
     _check(driver.cuCtxSetCurrent(mod.ctx), "cuCtxSetCurrent")
     _check(
         driver.cuLaunchKernel(

@@ -156,3 +156,46 @@ def cluster_topk_row(x: torch.Tensor, k: int, cluster: int, *, warps: int = 32,
             rt += ties.numel()
     assert ra == n_above and rt >= plan.need
     return out
+
+
+MERGE_DIGIT_BITS = 11
+"""bits per radix pass of the DCP merge (``dcp_merge_p*``): 11 x 5, then the last 9"""
+
+
+def dcp_merge_row(keys_row: torch.Tensor, k: int, *, world: int, rank: int,
+                  interleave: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The CUDA DCP merge of one row, built the way ``dcp_merge_p*`` builds it: ``keys_row`` is
+    the row's ``int64 [world * k_local]`` gathered keys in gathered order; returns ``(global ids,
+    local positions, mask)``, ``[k]`` each. Radix passes over ``key ^ 2^63`` (unsigned) that stop
+    once the bin of the ``min(k, n)``-th largest holds exactly the keys still needed; then the
+    keys above the prefix and the first ``need`` equal to it in gathered order, padding excluded."""
+    u = [int(v) + 2**63 for v in keys_row.tolist()]  # key ^ 2^63, as an unsigned value
+    n = len(u)
+    take = min(k, n)
+    prefix, rbits, need, cnt = 0, 0, take, -1
+    while take > 0 and rbits < 64 and cnt != need:
+        width = MERGE_DIGIT_BITS if rbits + MERGE_DIGIT_BITS <= 64 else 64 - rbits
+        shift = 64 - rbits - width
+        hist = torch.zeros(2048, dtype=torch.int64)
+        for x in u:
+            if rbits == 0 or x >> (64 - rbits) == prefix:
+                hist[(x >> shift) & ((1 << width) - 1)] += 1
+        b, need, cnt = _find_bin(hist, need)
+        prefix, rbits = (prefix << width) | b, rbits + width
+    ids: list[int] = []
+    tie_rank = 0
+    for x in u if take > 0 else []:
+        hi = x >> (64 - rbits)
+        taken = hi > prefix
+        if hi == prefix:
+            taken = tie_rank < need
+            tie_rank += 1
+        if taken and x != 0:  # padding (dcp.PAD_KEY) is never an id
+            low = 0xFFFFFFFF - (x & 0xFFFFFFFF)
+            ids.append(low - 2**32 if low >= 2**31 else low)  # int32, as the kernel casts
+    gidx = torch.full((k,), -1, dtype=torch.int32)
+    gidx[:len(ids)] = torch.tensor(ids, dtype=torch.int32)
+    from ..dcp import global_to_local
+
+    lidx = global_to_local(gidx, world, rank, interleave)
+    return gidx, lidx, lidx >= 0
