@@ -327,8 +327,7 @@ TOPK_KERNEL(512, 8, 0)
 //   keys     thread t holds gathered elements t * PER .. t * PER + PER - 1 (gathered order is
 //            thread order), as u = key ^ 2^63 (unsigned order = signed order; padding is 0).
 //   select   radix passes of 11 bits from the top (11 x 5, then 9) over keys still matching
-//            the resolved prefix (one shared-memory add per distinct bin of a warp: tied scores
-//            share bins); the bin of the take-th largest (take = min(k, n)); stop once
+//            the resolved prefix; the bin of the take-th largest (take = min(k, n)); stop once
 //            the bin holds exactly the keys still needed (usually after the score's 32 bits:
 //            real keys are unique per row).
 //   write    keys above the prefix, and the first `need` keys equal to it in gathered order,
@@ -383,11 +382,9 @@ __device__ __forceinline__ void dcp_merge_row(const i64* __restrict__ keys, i64 
         for (int i = tid; i < BINS; i += THREADS) hist[i] = 0u;
         __syncthreads();
 #pragma unroll
-        for (int e = 0; e < PER; ++e) {  // one add per distinct bin of the warp (tied scores)
+        for (int e = 0; e < PER; ++e) {
             const bool alive = j0 + e < n && (rbits == 0 || (u[e] >> (64 - rbits)) == prefix);
-            const u32 bin = alive ? (u32)(u[e] >> shift) & mask : 0xffffffffu;
-            const u32 peers = __match_any_sync(FULL_MASK, bin);
-            if (alive && (threadIdx.x & 31) == __ffs(peers) - 1) atomicAdd(&hist[bin], __popc(peers));
+            if (alive) atomicAdd(&hist[(u32)(u[e] >> shift) & mask], 1u);
         }
         __syncthreads();
         find_bin<THREADS>(hist, BINS, need, s_warp, s_res);
