@@ -100,19 +100,24 @@ __device__ __forceinline__ u32 warps_excl_scan(u32 warp_total, u32* s_warp, u32&
 
 // The bin of an nbins histogram (counted from the top bin down) holding the need-th largest key:
 // s_res = {bin, need left inside the bin, the bin's count}. Requires total >= need >= 1 and
-// nbins a multiple of THREADS. Ends with a barrier after s_res is written.
+// nbins a multiple of THREADS. Two barriers (every warp scans the warps' totals itself); ends
+// with a barrier after s_res is written. s_warp holds THREADS / 32 words.
 template <int THREADS>
 __device__ __forceinline__ void find_bin(const u32* hist, int nbins, u32 need, u32* s_warp,
                                          u32* s_res) {
-    const int tid = threadIdx.x, lane = tid & 31;
+    constexpr int WARPS = THREADS / 32;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int per = nbins / THREADS;
     const int hi = nbins - 1 - tid * per;  // this thread's bins: hi, hi-1, ..., hi-per+1
     u32 local = 0;
     for (int i = 0; i < per; ++i) local += hist[hi - i];
     const u32 incl = warp_incl_scan(local, lane);
-    const u32 warp_total = __shfl_sync(FULL_MASK, incl, 31);
-    u32 total;
-    const u32 excl = warps_excl_scan<THREADS / 32>(warp_total, s_warp, total) + incl - local;
+    __syncwarp();  // every lane of this warp has read s_warp in an earlier call
+    if (lane == 31) s_warp[warp] = incl;
+    __syncthreads();
+    const u32 t = lane < WARPS ? s_warp[lane] : 0u;
+    const u32 warp_base = __shfl_sync(FULL_MASK, warp_incl_scan(t, lane) - t, warp);
+    const u32 excl = warp_base + incl - local;
     if (excl < need && excl + local >= need) {
         u32 cum = excl;
         for (int i = 0; i < per; ++i) {
@@ -302,7 +307,7 @@ __device__ __forceinline__ void topk_row(const float* __restrict__ logits, i64 s
 }
 
 #define TOPK_KERNEL(T, V, A)                                                                     \
-    extern "C" __global__ void __launch_bounds__(T) topk_radix_t##T##_v##V##_a##A(                \
+    extern "C" __global__ void __launch_bounds__(T, 1) topk_radix_t##T##_v##V##_a##A(                \
         const float* __restrict__ logits, i64 stride_r, const void* lens, int lens64,             \
         const void* active, int active64, int sel_width, int k, int* __restrict__ out,            \
         i64 stride_o, int nan_low, int cap) {                                                     \
@@ -629,18 +634,26 @@ __device__ __forceinline__ void topk_cluster_row(const float* __restrict__ logit
         cl_arrive();  // waited for before the first remote add
     }
     for (int i = tid; i < HIST_BINS; i += THREADS) hist[i] = 0u;
+    __syncthreads();  // cleared before the first add
+
+    // load + pass A (top 11 bits) in one sweep
     for (int i0 = tid * 4; i0 < lim; i0 += THREADS * 4 * UNROLL) {
         uint4 q[UNROLL];
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) q[u] = chunk_keys4<ALIGNED>(x, i0 + u * THREADS * 4, lim, nan_low);
 #pragma unroll
-        for (int u = 0; u < UNROLL; ++u)
-            if (i0 + u * THREADS * 4 < lim) *reinterpret_cast<uint4*>(keys + i0 + u * THREADS * 4) = q[u];
+        for (int u = 0; u < UNROLL; ++u) {
+            const int p = i0 + u * THREADS * 4;
+            if (p >= lim) continue;
+            *reinterpret_cast<uint4*>(keys + p) = q[u];
+            atomicAdd(&hist[q[u].x >> 21], 1u);
+            if (p + 1 < lim) atomicAdd(&hist[q[u].y >> 21], 1u);
+            if (p + 2 < lim) atomicAdd(&hist[q[u].z >> 21], 1u);
+            if (p + 3 < lim) atomicAdd(&hist[q[u].w >> 21], 1u);
+        }
     }
-    __syncthreads();
-
-    // pass A: top 11 bits
-    sweep<THREADS, 4>(keys, lim, len, x, nan_low, tid, [&](int, u32 u) { atomicAdd(&hist[u >> 21], 1u); });
+    for (int i = lim + tid; i < len; i += THREADS)  // the chunk past cap, from global memory
+        atomicAdd(&hist[order_key(__ldg(x + i), nan_low) >> 21], 1u);
     __syncthreads();
     const u32* totals = hist;
     if (C > 1) {
