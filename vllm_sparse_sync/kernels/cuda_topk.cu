@@ -359,7 +359,7 @@ __device__ __forceinline__ void dcp_merge_row(const i64* __restrict__ keys, i64 
                                               unsigned char* __restrict__ lmask, i64 stride_o) {
     constexpr int THREADS = 1024;
     constexpr int BINS = 2048;
-    __shared__ u32 hist[BINS];
+    __shared__ u32 hist[2][BINS];  // passes alternate: each clears the next one's
     __shared__ u32 s_warp[THREADS / 32 + 1];
     __shared__ u32 s_res[3];
     const int row = blockIdx.x, tid = threadIdx.x;
@@ -380,19 +380,22 @@ __device__ __forceinline__ void dcp_merge_row(const i64* __restrict__ keys, i64 
     u64 prefix = 0ull;
     int rbits = 0;
     u32 need = take, cnt = 0xffffffffu;
-    while (take > 0u && rbits < 64 && cnt != need) {  // block-uniform
+    for (int i = tid; i < BINS; i += THREADS) hist[0][i] = 0u;
+    __syncthreads();
+    for (int pass = 0; take > 0u && rbits < 64 && cnt != need; ++pass) {  // block-uniform
         const int width = rbits + 11 <= 64 ? 11 : 64 - rbits;
         const int shift = 64 - rbits - width;
         const u32 mask = (1u << width) - 1u;
-        for (int i = tid; i < BINS; i += THREADS) hist[i] = 0u;
-        __syncthreads();
+        u32* h = hist[pass & 1];
+        u32* next = hist[(pass + 1) & 1];  // the previous pass's: its find_bin's reads are done
+        for (int i = tid; i < BINS; i += THREADS) next[i] = 0u;
 #pragma unroll
         for (int e = 0; e < PER; ++e) {
             const bool alive = j0 + e < n && (rbits == 0 || (u[e] >> (64 - rbits)) == prefix);
-            if (alive) atomicAdd(&hist[(u32)(u[e] >> shift) & mask], 1u);
+            if (alive) atomicAdd(&h[(u32)(u[e] >> shift) & mask], 1u);
         }
         __syncthreads();
-        find_bin<THREADS>(hist, BINS, need, s_warp, s_res);
+        find_bin<THREADS>(h, BINS, need, s_warp, s_res);
         prefix = (prefix << width) | (u64)s_res[0];
         rbits += width;
         need = s_res[1];
@@ -486,7 +489,8 @@ DCP_MERGE_KERNEL(16)
 //            when its list overflowed): the output order of topk_row. No remote access follows
 //            that barrier.
 //
-// Dynamic shared memory (words): hist[2048]; for C > 1 the targets glob0[2048], glob1[2048],
+// Dynamic shared memory (words): the local counts of the three passes hist[2048], hist1[2048],
+// hist2[1024] (all cleared at the start); for C > 1 the targets glob0[2048], glob1[2048],
 // glob2[1024]; the warps' position lists list[4096]; then keys[cap], cap a multiple of 4. Nothing global beyond the output: a launch
 // replays in a CUDA graph as is.
 // ---------------------------------------------------------------------------------------------
@@ -606,11 +610,13 @@ __device__ __forceinline__ void topk_cluster_row(const float* __restrict__ logit
     __shared__ u32 s_warp[WARPS + 1];
     __shared__ u32 s_res[3];
     __shared__ u32 s_cnt[2 * C];  // (above, tie) counts of each lower rank
-    u32* hist = smem;
-    u32* glob0 = smem + HIST_BINS;
+    u32* hist = smem;  // this CTA's counts of pass A, then of the two refine passes
+    u32* hist1 = hist + HIST_BINS;
+    u32* hist2 = hist1 + HIST_BINS;
+    u32* glob0 = hist2 + 1024;
     u32* glob1 = glob0 + HIST_BINS;
     u32* glob2 = glob1 + HIST_BINS;
-    u32* list = smem + (C == 1 ? HIST_BINS : 3 * HIST_BINS + 1024);
+    u32* list = C == 1 ? glob0 : glob2 + 1024;
     u32* keys = list + LIST_WORDS;
 
     const int row = blockIdx.y;
@@ -633,7 +639,7 @@ __device__ __forceinline__ void topk_cluster_row(const float* __restrict__ logit
         for (int i = tid; i < 2 * HIST_BINS + 1024; i += THREADS) glob0[i] = 0u;
         cl_arrive();  // waited for before the first remote add
     }
-    for (int i = tid; i < HIST_BINS; i += THREADS) hist[i] = 0u;
+    for (int i = tid; i < 2 * HIST_BINS + 1024; i += THREADS) hist[i] = 0u;  // all three passes'
     __syncthreads();  // cleared before the first add
 
     // load + pass A (top 11 bits) in one sweep
@@ -671,17 +677,16 @@ __device__ __forceinline__ void topk_cluster_row(const float* __restrict__ logit
         const int nbins = pass == 1 ? 2048 : 1024;
         const int shift = pass == 1 ? 10 : 0;
         const int pshift = pass == 1 ? 21 : 10;
-        for (int i = tid; i < nbins; i += THREADS) hist[i] = 0u;  // find_bin's reads are done
-        __syncthreads();
+        u32* h = pass == 1 ? hist1 : hist2;  // cleared at the start: no barrier before the adds
         const u32 pre = prefix, mask = (u32)(nbins - 1);
         sweep<THREADS, 8>(keys, lim, len, x, nan_low, tid, [&](int, u32 u) {
-            if ((u >> pshift) == pre) atomicAdd(&hist[(u >> shift) & mask], 1u);
+            if ((u >> pshift) == pre) atomicAdd(&h[(u >> shift) & mask], 1u);
         });
         __syncthreads();
-        totals = hist;
+        totals = h;
         if (C > 1) {
             u32* glob = pass == 1 ? glob1 : glob2;
-            cl_push_hist<C, THREADS>(hist, glob, nbins);
+            cl_push_hist<C, THREADS>(h, glob, nbins);
             totals = glob;
         }
         find_bin<THREADS>(totals, nbins, need, s_warp, s_res);

@@ -70,9 +70,11 @@ CLUSTER_LIST_WORDS = 4096
 
 
 def cluster_smem_bytes(cap: int, cluster: int) -> int:
-    """Dynamic shared memory of one cluster-route CTA holding ``cap`` keys: the local histogram,
-    for ``cluster > 1`` the three pass totals, the warps' position lists, and the keys."""
-    return 4 * (HIST_BINS + (0 if cluster == 1 else 2 * HIST_BINS + 1024) + CLUSTER_LIST_WORDS + cap)
+    """Dynamic shared memory of one cluster-route CTA holding ``cap`` keys: the local counts of
+    the three passes, for ``cluster > 1`` the three pass totals, the warps' position lists, and
+    the keys."""
+    passes = 2 * HIST_BINS + 1024
+    return 4 * (passes + (0 if cluster == 1 else passes) + CLUSTER_LIST_WORDS + cap)
 
 
 def _keys_fitting(smem: int, cluster: int) -> int:
