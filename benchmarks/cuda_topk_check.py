@@ -88,11 +88,12 @@ def parse_variant(text: str):
 
 
 def cluster_args(variant: str) -> dict:
-    """``cN``, ``cNtT`` (T threads per CTA), ``cauto``: the cluster route's size and threads."""
-    m = re.fullmatch(r"c(\d+|auto)(?:t(\d+))?", variant)
+    """``cN``, ``cNtT`` (T threads per CTA), ``cauto``, each with an optional ``-nopdl`` (a plain
+    launch instead of a programmatic dependent one): the cluster route's size and threads."""
+    m = re.fullmatch(r"c(\d+|auto)(?:t(\d+))?(-nopdl)?", variant)
     if not m:
-        raise ValueError(f"variant {variant!r}: THREADSxVEC, cN, cNtT or cauto")
-    return dict(cluster=None if m[1] == "auto" else int(m[1]), threads=int(m[2] or 1024))
+        raise ValueError(f"variant {variant!r}: THREADSxVEC, cN, cNtT or cauto (optionally -nopdl)")
+    return dict(cluster=None if m[1] == "auto" else int(m[1]), threads=int(m[2] or 1024), pdl=not m[3])
 
 
 def launch(x, lens, out, k=K, width=None, active=None, nan_low=True, variant=(1024, 4), cap=8192):

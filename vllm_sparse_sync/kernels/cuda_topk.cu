@@ -496,6 +496,12 @@ DCP_MERGE_KERNEL(16)
 // ---------------------------------------------------------------------------------------------
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
 
+// Wait until the kernel before this one in the stream has completed and its writes are visible
+// (a no-op unless this kernel was launched as a programmatic dependent launch).
+__device__ __forceinline__ void grid_dependency_wait() {
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+}
+
 __device__ __forceinline__ u32 cl_rank() {
     u32 r;
     asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
@@ -622,9 +628,15 @@ __device__ __forceinline__ void topk_cluster_row(const float* __restrict__ logit
     const int row = blockIdx.y;
     const u32 rank = (C == 1) ? 0u : cl_rank();
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int n = live_length(lens, lens64, active, active64, row, sel_width);
     int* __restrict__ o = out + (i64)row * stride_o;
 
+    // shared memory only: may overlap the previous kernel (programmatic dependent launch)
+    for (int i = tid; i < 2 * HIST_BINS + 1024; i += THREADS) hist[i] = 0u;  // all three passes'
+    if (C > 1)
+        for (int i = tid; i < 2 * HIST_BINS + 1024; i += THREADS) glob0[i] = 0u;
+    grid_dependency_wait();  // every global read and write comes after the previous kernel's
+
+    const int n = live_length(lens, lens64, active, active64, row, sel_width);
     if (n <= k) {  // cluster-uniform: no CTA reaches a cluster barrier
         for (int i = (int)rank * THREADS + tid; i < k; i += C * THREADS) o[i] = i < n ? i : -1;
         return;
@@ -635,11 +647,7 @@ __device__ __forceinline__ void topk_cluster_row(const float* __restrict__ logit
     const int lim = len < cap ? len : cap;  // keys [0, lim) in shared memory, [lim, len) global
     const float* __restrict__ x = logits + (i64)row * stride_r + lo;
 
-    if (C > 1) {
-        for (int i = tid; i < 2 * HIST_BINS + 1024; i += THREADS) glob0[i] = 0u;
-        cl_arrive();  // waited for before the first remote add
-    }
-    for (int i = tid; i < 2 * HIST_BINS + 1024; i += THREADS) hist[i] = 0u;  // all three passes'
+    if (C > 1) cl_arrive();  // after the clears; waited for before the first remote add
     __syncthreads();  // cleared before the first add
 
     // load + pass A (top 11 bits) in one sweep

@@ -248,6 +248,10 @@ class _Module:
         self.sm_count = torch.cuda.get_device_properties(index).multi_processor_count
         self.smem_optin = cluster_smem_limit(index)
         self.cluster_ok = self.smem_optin > 0
+        attr = driver.CUlaunchAttribute()
+        attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        attr.value.programmaticStreamSerializationAllowed = 1
+        self.pdl_attribute = attr
 
     def function(self, name: str, smem: int):
         fn = self.functions.get(name)
@@ -376,10 +380,14 @@ def launch_cuda_topk_cluster(
     cluster: int | None = None,
     cap: int | None = None,
     threads: int = 1024,
+    pdl: bool = True,
 ) -> ClusterPlan:
     """A cluster of CTAs per row (``plan_cluster``'s, or ``cluster``): the output of
     ``launch_cuda_topk``, element for element. ``cap`` overrides the keys kept in shared memory
-    (a multiple of 4, at most the plan's). Returns the plan launched.
+    (a multiple of 4, at most the plan's). ``pdl``: a programmatic dependent launch, whose
+    shared-memory setup overlaps the end of the stream's previous kernel (the scorer, in a
+    step); the kernel reads nothing global before that kernel has completed. Returns the plan
+    launched.
 
     Raises ``ValueError`` where the route cannot take the call (before sm_90, more than 65535
     rows): callers fall back to ``launch_cuda_topk``.
@@ -402,12 +410,12 @@ def launch_cuda_topk_cluster(
     aligned = x.data_ptr() % 16 == 0 and stride_r % 4 == 0
     fn = mod.function(cluster_kernel_name(plan.cluster, aligned, plan.threads), plan.smem)
     _launch(mod, fn, (plan.cluster, rows, 1), plan.threads, plan.smem, x, stride_r, row_lens, active,
-            out, k, sel_width, nan_low, (ctypes.c_int(plan.cap),))
+            out, k, sel_width, nan_low, (ctypes.c_int(plan.cap),), pdl=pdl)
     return plan
 
 
 def _launch(mod, fn, grid, threads, smem, x, stride_r, row_lens, active, out, k, sel_width, nan_low,
-            extra: tuple) -> None:
+            extra: tuple, pdl: bool = False) -> None:
     lens64 = _int_dtype_flag(row_lens, "row_lens")
     if active is not None:
         active64 = _int_dtype_flag(active, "active_width")
@@ -428,19 +436,29 @@ def _launch(mod, fn, grid, threads, smem, x, stride_r, row_lens, active, out, k,
         ctypes.c_int(1 if nan_low else 0),
         *extra,
     )
-    launch_values(mod, fn, grid, threads, smem, values, x.device)
+    launch_values(mod, fn, grid, threads, smem, values, x.device, pdl=pdl)
 
 
-def launch_values(mod, fn, grid, threads: int, smem: int, values: tuple, device: torch.device) -> None:
+def launch_values(mod, fn, grid, threads: int, smem: int, values: tuple, device: torch.device, *,
+                  pdl: bool = False) -> None:
     """Launch ``fn`` of ``mod`` with ctypes ``values`` as its parameters on torch's current
-    stream of ``device`` (captured when that stream captures)."""
+    stream of ``device`` (captured when that stream captures). ``pdl``: as a programmatic
+    dependent launch (sm_90+): the kernel may start while the stream's previous kernel finishes
+    and must wait for it (``griddepcontrol.wait``) before touching global memory."""
     driver = mod.driver
     params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
-    stream = torch.cuda.current_stream(device).cuda_stream
+    stream = driver.CUstream(torch.cuda.current_stream(device).cuda_stream)
     _check(driver.cuCtxSetCurrent(mod.ctx), "cuCtxSetCurrent")
-    _check(
-        driver.cuLaunchKernel(
-            fn, *grid, threads, 1, 1, smem, driver.CUstream(stream), ctypes.addressof(params), 0
-        ),
-        f"cuLaunchKernel(grid={grid}, threads={threads}, smem={smem})",
-    )
+    what = f"grid={grid}, threads={threads}, smem={smem}"
+    if not pdl:
+        _check(driver.cuLaunchKernel(fn, *grid, threads, 1, 1, smem, stream, ctypes.addressof(params), 0),
+               f"cuLaunchKernel({what})")
+        return
+    config = driver.CUlaunchConfig()
+    config.gridDimX, config.gridDimY, config.gridDimZ = grid
+    config.blockDimX, config.blockDimY, config.blockDimZ = threads, 1, 1
+    config.sharedMemBytes = smem
+    config.hStream = stream
+    config.attrs = [mod.pdl_attribute]
+    config.numAttrs = 1
+    _check(driver.cuLaunchKernelEx(config, fn, ctypes.addressof(params), 0), f"cuLaunchKernelEx({what}, pdl)")
