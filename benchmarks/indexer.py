@@ -12,9 +12,11 @@ each shape's step time over a committed run's. Times are medians of CUDA-graph r
 exceed L2. Shapes are docs/design.md's (H=64, D=128, k=2048). Peers are measured when the
 checkout holds ``.peers/`` (DeepGEMM paged MQA logits) or ``.peers_topk/`` (vLLM top-k ops),
 made by ``benchmarks/peers.sh``, or ``.peers_fi/`` (FlashInfer's native top-k headers, made by
-``benchmarks/peers_flashinfer.sh``, compiled here with nvcc); ``.peers_topk`` and ``.peers_fi``
+``benchmarks/peers_flashinfer.sh``, compiled here with nvcc) or ``.peers_sgl/`` (SGLang's
+top-k cubin, ``benchmarks/peers_sglang.sh``); ``.peers_topk``, ``.peers_fi`` and ``.peers_sgl``
 fit one device transfer together, ``.peers`` does not, so DeepGEMM may come from a separate run
-(--combine).
+(--combine). The best of the peer top-k times measured (with a passing set check) is what
+``topk_over_best_peer`` divides by.
 """
 
 from __future__ import annotations
@@ -342,6 +344,81 @@ def bench_vllm_topk(ops, inp: Inputs, ncalls: int, res: dict) -> None:
             torch.cuda.synchronize()
 
 
+class SglangTopk:
+    """SGLang's decode top-k (sgl-kernel's ``topk_kernel``: one CTA per row, k 2048), loaded from
+    the cubin ``benchmarks/peers_sglang.sh`` extracts from the sgl-kernel wheel, and launched
+    with the CUDA driver in torch's context."""
+
+    TOPK = 2048
+    THREADS = 1024
+    SMEM = 128 * 1024
+
+    def __init__(self, folder: str) -> None:
+        import ctypes
+
+        from vllm_sparse_sync.kernels import cuda_topk
+
+        self.ctypes = ctypes
+        self.mod = cuda_topk.module_for(torch.cuda.current_device())  # the primary context
+        drv = self.driver = self.mod.driver
+        with open(os.path.join(folder, "fast_topk.sm_90a.cubin"), "rb") as f:
+            self.module = cuda_topk._check(drv.cuModuleLoadData(f.read()), "cuModuleLoadData(sglang)")
+        symbol = open(os.path.join(folder, "SYMBOL")).read().strip().encode()
+        self.fn = cuda_topk._check(drv.cuModuleGetFunction(self.module, symbol),
+                                   "cuModuleGetFunction(sglang)")
+        attr = drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        cuda_topk._check(drv.cuFuncSetAttribute(self.fn, attr, self.SMEM), "cuFuncSetAttribute(sglang)")
+
+        class Params(ctypes.Structure):  # FastTopKParams, passed by value (40 bytes)
+            _fields_ = [("input", ctypes.c_void_p), ("row_starts", ctypes.c_void_p),
+                        ("indices", ctypes.c_void_p), ("lengths", ctypes.c_void_p),
+                        ("input_stride", ctypes.c_int64)]
+
+        self.Params = Params
+
+    def __call__(self, logits: torch.Tensor, lengths: torch.Tensor, out: torch.Tensor) -> None:
+        """``out[r]`` = the top-2048 positions of ``logits[r, :lengths[r]]`` (int32 lengths)."""
+        from vllm_sparse_sync.kernels import cuda_topk
+
+        p = self.Params(logits.data_ptr(), None, out.data_ptr(), lengths.data_ptr(), logits.stride(0))
+        args = (self.ctypes.c_void_p * 1)(self.ctypes.addressof(p))
+        stream = self.driver.CUstream(torch.cuda.current_stream().cuda_stream)
+        cuda_topk._check(self.driver.cuCtxSetCurrent(self.mod.ctx), "cuCtxSetCurrent")
+        launch = self.driver.cuLaunchKernel(self.fn, out.shape[0], 1, 1, self.THREADS, 1, 1, self.SMEM,
+                                            stream, self.ctypes.addressof(args), 0)
+        cuda_topk._check(launch, "sglang topk launch")
+
+
+def load_sglang_topk():
+    """SGLang's top-k when the checkout holds ``.peers_sgl/`` and the GPU is sm_90; else None."""
+    folder = os.path.join(ROOT, ".peers_sgl")
+    if not os.path.isdir(folder) or torch.cuda.get_device_capability() != (9, 0):
+        return None
+    return SglangTopk(folder)
+
+
+def bench_sglang_topk(sgl, inp: Inputs, ncalls: int, res: dict) -> None:
+    """SGLang's top-k on the buffers vLLM's top-k gets; the set checked against the reference."""
+    from vllm_sparse_sync.kernels import triton_ops as tk
+
+    width, nl, base, bufs = peer_logits(inp, ncalls)
+    lens = inp.lens.to(torch.int32).clone()
+    out = torch.full((inp.B, TOPK), -1, dtype=torch.int32, device=DEV)
+    want = tk.topk_indices(base, inp.lens, TOPK).sort(dim=1).values
+    try:
+        res["sgl_topk_us"] = timeit(lambda i: lambda b=bufs[i % nl]: sgl(b, lens, out), ncalls)
+        sgl(base, lens, out)
+        res["sgl_topk_check"] = "ok" if torch.equal(out.sort(dim=1).values, want) else "differs"
+    except Exception as exc:
+        res["sgl_topk_err"] = str(exc).splitlines()[0][:160]
+        torch.cuda.synchronize()
+
+
+PEER_TOPK_KEYS = ("vllm_persistent_topk_us", "vllm_cooperative_topk_us", "fi_auto_topk_us",
+                  "fi_filtered_topk_us", "fi_multi_cta_topk_us", "sgl_topk_us")
+"""every peer top-k time; the best of those measured is the one ours is compared with"""
+
+
 def derive(res: dict, bw: float) -> dict:
     """Bandwidth, bound ratio and peer comparison fields from the raw times."""
     B, L = res["B"], res["L"]
@@ -351,8 +428,7 @@ def derive(res: dict, bw: float) -> dict:
         res["scorer_pct_copy"] = 100 * res["scorer_tbs"] / bw
         res["scorer_fp8_tbs"] = kbytes / (res["scorer_fp8_us"] * 1e-6) / 1e12
         res["wide_over_exact"] = max(res["step_wide_host_us"], res["step_wide_active_us"]) / res["step_us"]
-    topks = [res[k] for k in ("vllm_persistent_topk_us", "vllm_cooperative_topk_us", "fi_auto_topk_us")
-             if k in res]
+    topks = [res[k] for k in PEER_TOPK_KEYS if k in res and res.get(k.replace("_us", "_check"), "ok") == "ok"]
     if topks and "topk_us" in res:
         res["topk_over_best_peer"] = res["topk_us"] / min(topks)
     if "deepgemm_us" in res and topks:
@@ -371,7 +447,7 @@ COLS = [("B", "{}"), ("L", "{}"), ("route", "{}"), ("scorer_us", "{:.1f}"), ("to
         ("step_sample_us", "{:.1f}"), ("topk_radix_us", "{:.1f}"), ("step_radix_us", "{:.1f}"),
         ("torch_topk_us", "{:.1f}"), ("deepgemm_us", "{:.1f}"), ("vllm_persistent_topk_us", "{:.1f}"),
         ("vllm_cooperative_topk_us", "{:.1f}"), ("fi_auto_topk_us", "{:.1f}"),
-        ("fi_filtered_topk_us", "{:.1f}"), ("fi_multi_cta_topk_us", "{:.1f}"),
+        ("fi_filtered_topk_us", "{:.1f}"), ("fi_multi_cta_topk_us", "{:.1f}"), ("sgl_topk_us", "{:.1f}"),
         ("topk_over_best_peer", "{:.2f}"), ("best_peer_step_us", "{:.1f}"),
         ("ours_over_best_peer", "{:.2f}"), ("ours_fp8_over_best_peer", "{:.2f}")]
 
@@ -457,10 +533,18 @@ def main() -> None:
         except Exception as exc:  # a peer that does not build must not stop our run
             fi_error = f"{type(exc).__name__}: {str(exc)[-600:]}"
             print(f"FlashInfer peer unavailable: {fi_error}", flush=True)
+    sgl, sgl_error = None, None
+    if not a.no_peers:
+        try:
+            sgl = load_sglang_topk()
+        except Exception as exc:
+            sgl_error = f"{type(exc).__name__}: {str(exc)[-600:]}"
+            print(f"SGLang peer unavailable: {sgl_error}", flush=True)
     bw = copy_tbs()
     meta = dict(device=torch.cuda.get_device_name(0), torch=torch.__version__,
                 config=config.to_dict(), serving_rows=SERVING_ROWS, deepgemm=dg is not None,
                 vllm_topk=vt is not None, flashinfer_topk=fi is not None, flashinfer_error=fi_error,
+                sglang_topk=sgl is not None, sglang_error=sgl_error,
                 ours=not a.peers_only)
     print(json.dumps(dict(copy_tbs=round(bw, 3), **meta)), flush=True)
     rows = []
@@ -478,6 +562,8 @@ def main() -> None:
                 bench_vllm_topk(vt, inp, ncalls, res)
             if fi is not None:
                 bench_flashinfer_topk(fi, inp, ncalls, res)
+            if sgl is not None:
+                bench_sglang_topk(sgl, inp, ncalls, res)
         except Exception as exc:
             res["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
         derive(res, bw)
