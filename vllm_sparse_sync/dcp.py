@@ -63,6 +63,28 @@ def key_ids(keys: torch.Tensor) -> torch.Tensor:
     return torch.where(keys != PAD_KEY, ids, torch.full_like(ids, -1)).to(torch.int32)
 
 
+def check_merge_buffers(who: str, gathered: torch.Tensor, world: int, k: int, global_idx: torch.Tensor,
+                        local_idx: torch.Tensor, local_mask: torch.Tensor) -> tuple[int, int]:
+    """The merge kernels' argument checks: ``gathered`` int64 ``[world, rows, k_local]`` with
+    contiguous columns; the outputs ``[rows, k]`` int32 / int32 / bool on its device, with
+    contiguous columns and one row stride. Returns ``(rows, k_local)``; raises ``ValueError``
+    naming ``who`` and the field."""
+    if not isinstance(gathered, torch.Tensor) or gathered.dim() != 3:
+        raise ValueError(f"{who}: gathered must be a 3-D tensor [world, rows, k_local]")
+    w, rows, k_local = gathered.shape
+    if w != world or gathered.dtype != torch.int64 or gathered.stride(2) != 1:
+        raise ValueError(f"{who}: gathered must be int64 [world={world}, rows, k_local] with "
+                         f"contiguous columns, got {gathered.dtype} {tuple(gathered.shape)}")
+    for name, t, dt in (("global_idx", global_idx, torch.int32), ("local_idx", local_idx, torch.int32),
+                        ("local_mask", local_mask, torch.bool)):
+        if t.shape != (rows, k) or t.dtype != dt or t.stride(1) != 1 or t.device != gathered.device:
+            raise ValueError(f"{who}: {name} must be {dt} [{rows}, {k}] with contiguous columns on "
+                             f"{gathered.device}, got {t.dtype} {tuple(t.shape)} on {t.device}")
+    if not (global_idx.stride(0) == local_idx.stride(0) == local_mask.stride(0)):
+        raise ValueError(f"{who}: the output buffers' row strides differ")
+    return rows, k_local
+
+
 def merge_candidate_keys(keys: torch.Tensor, k: int) -> torch.Tensor:
     """Exact global top-``k`` of gathered candidate keys ``int64 [world, rows, k_local]``.
 

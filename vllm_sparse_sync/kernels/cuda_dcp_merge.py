@@ -45,14 +45,12 @@ def cuda_dcp_merge(gathered: torch.Tensor, k: int, global_idx: torch.Tensor, loc
     """Merge + remap of gathered keys ``int64 [world, rows, k_local]`` (CUDA) into the caller's
     ``[rows, k]`` buffers (``global_idx`` / ``local_idx`` int32, ``local_mask`` bool): what
     ``dcp.merge_candidate_keys``, ``dcp.global_to_local`` and ``>= 0`` write."""
-    if not isinstance(gathered, torch.Tensor) or gathered.dim() != 3:
-        raise ValueError("cuda_dcp_merge: gathered must be a 3-D tensor [world, rows, k_local]")
-    w, rows, k_local = gathered.shape
-    if w != world or gathered.dtype != torch.int64 or gathered.stride(2) != 1:
-        raise ValueError(f"cuda_dcp_merge: gathered must be int64 [world={world}, rows, k_local] with "
-                         f"contiguous columns, got {gathered.dtype} {tuple(gathered.shape)}")
+    from ..dcp import check_merge_buffers
+
     if isinstance(k, bool) or not isinstance(k, int) or not 0 < k < 2**31:
         raise ValueError(f"cuda_dcp_merge: k must be a positive int32, got {k!r}")
+    rows, k_local = check_merge_buffers("cuda_dcp_merge", gathered, world, k, global_idx, local_idx,
+                                        local_mask)
     if not 0 <= rank < world or isinstance(interleave, bool) or interleave < 1:
         raise ValueError(f"cuda_dcp_merge: rank {rank} must be in [0, {world}) and interleave "
                          f"{interleave} >= 1")
@@ -60,13 +58,6 @@ def cuda_dcp_merge(gathered: torch.Tensor, k: int, global_idx: torch.Tensor, loc
     if per is None:
         raise ValueError(f"cuda_dcp_merge: {world} x {k_local} keys per row exceed MAX_KEYS={MAX_KEYS} "
                          f"(take the torch merge)")
-    for name, t, dt in (("global_idx", global_idx, torch.int32), ("local_idx", local_idx, torch.int32),
-                        ("local_mask", local_mask, torch.bool)):
-        if t.shape != (rows, k) or t.dtype != dt or t.stride(1) != 1 or t.device != gathered.device:
-            raise ValueError(f"cuda_dcp_merge: {name} must be {dt} [{rows}, {k}] with contiguous "
-                             f"columns on {gathered.device}, got {t.dtype} {tuple(t.shape)} on {t.device}")
-    if not (global_idx.stride(0) == local_idx.stride(0) == local_mask.stride(0)):
-        raise ValueError("cuda_dcp_merge: the output buffers' row strides differ")
     if rows == 0:
         return
     if rows > 2**31 - 1:

@@ -167,20 +167,12 @@ def dcp_merge(gathered: torch.Tensor, k: int, global_idx: torch.Tensor, local_id
     ``[rows, k]`` buffers (``global_idx`` / ``local_idx`` int32, ``local_mask`` bool), equal to
     ``dcp.merge_candidate_keys`` then ``dcp.global_to_local`` then ``>= 0``. Requires
     ``merge_fits(world, k_local, k)``."""
-    w, rows, k_local = gathered.shape
-    if w != world or gathered.dtype != torch.int64 or gathered.stride(2) != 1:
-        raise ValueError(f"dcp_merge: gathered must be int64 [world={world}, rows, k_local] with "
-                         f"contiguous columns, got {gathered.dtype} {tuple(gathered.shape)}")
+    from ..dcp import check_merge_buffers
+
+    rows, k_local = check_merge_buffers("dcp_merge", gathered, world, k, global_idx, local_idx, local_mask)
     if not merge_fits(world, k_local, k):
         raise ValueError(f"dcp_merge: {world} x {k_local} keys per row exceed MAX_MERGE_KEYS="
                          f"{MAX_MERGE_KEYS} (take the torch merge)")
-    for name, t, dt in (("global_idx", global_idx, torch.int32), ("local_idx", local_idx, torch.int32),
-                        ("local_mask", local_mask, torch.bool)):
-        if t.shape != (rows, k) or t.dtype != dt or t.stride(1) != 1:
-            raise ValueError(f"dcp_merge: {name} must be {dt} [{rows}, {k}] with contiguous "
-                             f"columns, got {t.dtype} {tuple(t.shape)}")
-    if not (global_idx.stride(0) == local_idx.stride(0) == local_mask.stride(0)):
-        raise ValueError("dcp_merge: the output buffers' row strides differ")
     if rows == 0:
         return
     n = merge_width(world, k_local, k)
