@@ -151,7 +151,8 @@ def main(argv=None) -> int:
     p.add_argument("--heads", type=int, default=None, help="indexer heads (default 64; cpu: 16)")
     p.add_argument("--iters", type=int, default=None, help="timed replays (default 50; cpu: 5)")
     p.add_argument("--merge-route", choices=("auto", "cuda", "triton", "torch"), default="auto",
-                   help="DcpIndexerStep's send-key and merge + remap route (auto: Triton on CUDA)")
+                   help="DcpIndexerStep's merge + remap route (auto: the CUDA merge on CUDA where "
+                        "NVRTC is available, else Triton; torch on CPU)")
     p.add_argument("--timeout", type=float, default=540.0)
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
