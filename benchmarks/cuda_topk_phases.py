@@ -4,7 +4,8 @@ CUDA-graph replay. Phase times are differences of cumulative times.
 
     python benchmarks/cuda_topk_phases.py [--cases 1:1x4096,8:1x65536,2:64x65536]
 
-A case is ``C:BxL``: C CTAs per row, B rows of L live keys (host width L).
+A case is ``C:BxL`` (C CTAs per row, B rows of L live keys, host width L) or ``C:BxL/W`` (host
+width W: the plan a wider bound gets, e.g. a short row on a cluster's first CTA).
 """
 
 from __future__ import annotations
@@ -29,15 +30,16 @@ K = 2048
 CUTS = [
     (1, "    if (n <= k) {  // cluster-uniform",
      "if (STOP_AT == 1) { if (tid == 0) o[0] = n; return; }\n"),
-    (2, "    // pass A: top 11 bits\n    sweep<",
-     "if (STOP_AT == 2) { if (C > 1) cl_wait(); if (tid == 0) o[0] = (int)keys[lim - 1]; return; }\n"),
-    (3, "    for (int pass = 1; pass <= 2 && cnt != need; ++pass) {  // cluster-uniform",
-     "if (STOP_AT == 3) { if (tid == 0) o[0] = (int)prefix; return; }\n"),
-    (4, "    // collect: warp w owns",
-     "if (STOP_AT == 4) { if (tid == 0) o[0] = (int)(prefix ^ need); return; }\n"),
+    (2, "    // refine until the bin is taken whole",
+     "if (STOP_AT == 2) { if (tid == 0) o[0] = (int)prefix; return; }\n"),
+    (3, "    // listed: the bin's keys",
+     "if (STOP_AT == 3) { if (tid == 0) o[0] = (int)(prefix ^ need); return; }\n"),
+    (4, "    if (!any) return;",
+     "if (STOP_AT == 4) { if (tid == 0) o[0] = (int)(ra ^ rt); return; }\n"),
 ]
-NAMES = {0: "launch (empty)", 1: "live length", 2: "load keys", 3: "pass A + find", 4: "refine",
-         99: "collect"}
+STOPS = (0, 1, 2, 3, 4, 99)
+NAMES = {0: "launch (empty)", 1: "live length", 2: "load + pass A", 3: "refine", 4: "count + scan",
+         99: "write"}
 
 
 def cut_source(stop: int) -> str:
@@ -76,7 +78,7 @@ def main() -> None:
     fake = types.SimpleNamespace(driver=driver, ctx=mod.ctx)
     major, minor = torch.cuda.get_device_capability()
     modules = {}
-    for stop in (0, 1, 2, 3, 4, 99):
+    for stop in STOPS:
         cubin, _ = cuda_topk.compile_source(f"sm_{major}{minor}", text=cut_source(stop))
         modules[stop] = cuda_topk._check(driver.cuModuleLoadData(cubin), "cuModuleLoadData")
     attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
@@ -84,26 +86,28 @@ def main() -> None:
     for case in a.cases.split(","):
         C, shape = case.split(":")
         C = int(C)
+        shape, _, wide = shape.partition("/")
         B, L = (int(p) for p in shape.split("x"))
+        W = int(wide) if wide else L
         functions = {stop: cuda_topk._check(driver.cuModuleGetFunction(
             m, cuda_topk.cluster_kernel_name(C, True).encode()), "get") for stop, m in modules.items()}
         g = torch.Generator(device="cuda").manual_seed(B + L)
-        xs = [torch.randn(B, L, device="cuda", generator=g) for _ in range(4)]
+        xs = [torch.randn(B, W, device="cuda", generator=g) for _ in range(4)]
         lens = torch.full((B,), L, dtype=torch.int32, device="cuda")
         out = torch.empty(B, K, dtype=torch.int32, device="cuda")
-        plan = cuda_topk.plan_cluster(B, L, mod.sm_count, mod.smem_optin, cluster=C)
-        res = {"C": C, "B": B, "L": L, "cap": plan.cap}
+        plan = cuda_topk.plan_cluster(B, W, mod.sm_count, mod.smem_optin, cluster=C)
+        res = {"C": C, "B": B, "L": L, "W": W, "cap": plan.cap}
         for stop, fn in functions.items():
             cuda_topk._check(driver.cuFuncSetAttribute(fn, attr, plan.smem), "smem")
             res[NAMES[stop]] = time_cut(fake, fn, plan, C, xs, lens, out, a.ncalls)
         rows_out.append(res)
         prev = 0.0
         parts = []
-        for stop in (0, 1, 2, 3, 4, 99):
+        for stop in STOPS:
             t = res[NAMES[stop]]
             parts.append(f"{NAMES[stop]} {t - prev:+.2f}")
             prev = t
-        print(f"C={C} B={B} L={L} cap={plan.cap} total {res['collect']:.2f} us: " + ", ".join(parts),
+        print(f"C={C} B={B} L={L} W={W} cap={plan.cap} total {res['write']:.2f} us: " + ", ".join(parts),
               flush=True)
     out_dir = os.environ.get("OUT")
     if out_dir:

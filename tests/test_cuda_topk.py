@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import itertools
+import re
 
 import pytest
 import torch
@@ -86,30 +87,74 @@ def test_emulation_selects_the_reference_set(case):
     for r, n in enumerate(eff.tolist()):
         if n <= k:
             assert torch.equal(got[r], want[r])  # 0..n-1 then -1
-        else:  # above the threshold in position order, then ties in position order
+        else:  # the selection in ascending position order, ties at the lowest positions
+            assert (got[r].diff() > 0).all()
             plan = emu.plan_row(emu.order_keys(x[r, :n]), k, tile=tile, cap=cap)
-            hi = emu.order_keys(x[r, got[r].long()]) >> (32 - plan.bits)
-            na = k - plan.need
-            assert (hi[:na] > plan.prefix).all() and (hi[na:] == plan.prefix).all()
-            assert (got[r, :na].diff() > 0).all() and (got[r, na:].diff() > 0).all()
+            hi = emu.order_keys(x[r, :n]) >> (32 - plan.bits)
+            ties = torch.nonzero(hi == plan.prefix).flatten().tolist()
+            assert set(ties[: plan.need]) <= set(got[r].tolist())
+            assert not set(ties[plan.need:]) & set(got[r].tolist())
 
 
-@given(rows_case(), st.sampled_from(cuda_topk.CLUSTER_SIZES), st.sampled_from([1, 2, 16, 32]))
-def test_the_cluster_split_writes_the_one_cta_order(case, cluster, warps):
-    """Chunks per CTA and segments per warp (the cluster route's collect) cover every position
-    once and keep the specification's order, element for element."""
+@given(rows_case(), st.sampled_from(cuda_topk.CLUSTER_SIZES), st.sampled_from([32, 64, 512, 1024]),
+       st.sampled_from([4, 64, 1 << 30]))
+def test_the_cluster_split_writes_the_one_cta_order(case, cluster, threads, cap):
+    """Chunks per CTA (or one CTA for a short row), ranges per thread, listed bins (the cluster
+    route's collect) cover every position once and write the specification's row."""
     x, lens, k, active, _, _ = case
     eff = ref.effective_lengths(lens, x.shape[1], active)
     for r, n in enumerate(eff.tolist()):
         want = emu.topk_row(x[r, :n], k)
-        assert torch.equal(emu.cluster_topk_row(x[r, :n], k, cluster, warps=warps), want)
+        assert torch.equal(emu.cluster_topk_row(x[r, :n], k, cluster, threads=threads, cap=cap), want)
 
 
-def test_cluster_chunks_and_segments():
+def test_cluster_levels_list_small_bins():
+    gen = torch.Generator().manual_seed(1)
+    u = emu.order_keys(torch.randn(65536, generator=gen))
+    plan = emu.plan_cluster_row(u, 2048)
+    assert plan.bits == 22 and plan.listed and plan.count <= emu.TIE_MAX
+    assert emu.plan_row(u, 2048).bits == 32  # the one-CTA kernel takes a pass more
+    ties = emu.order_keys(torch.randn(9000, generator=gen).round())
+    plan = emu.plan_cluster_row(ties, 2048)
+    assert plan.bits == 32 and not plan.listed and plan.count > emu.TIE_MAX
+    few = emu.order_keys(torch.tensor([5.0, 1.0, 1.01, 1.02, 0.5]))  # a bin of three keys, need two
+    plan = emu.plan_cluster_row(few, 3)
+    assert plan.bits == 11 and plan.listed and (plan.count, plan.need) == (3, 2)
+    assert emu.cluster_topk_row(torch.tensor([5.0, 1.0, 1.01, 1.02, 0.5]), 3, 2).tolist() == [0, 2, 3]
+    assert emu.cluster_split(5000, 8, 8192) == [(0, 5000)] + [(5000, 0)] * 7
+    assert emu.cluster_split(16384, 2, 43520) == [(0, 16384), (16384, 0)]
+    assert emu.cluster_split(5000, 8, 4096) == emu.cluster_chunks(5000, 8)
+    assert emu.cluster_split(16385, 8, 16384) == emu.cluster_chunks(16385, 8)
+
+
+@given(st.integers(0, 50000), st.sampled_from(cuda_topk.CLUSTER_THREADS))
+def test_thread_ranges_fit_the_padded_shared_layout(length, threads):
+    """Each key's word is its own (the kernel stores 16-byte groups), inside the keys area the
+    host sizes (cap + RANGE_PAD * threads words), and the 16-byte reads of 8 neighbouring threads
+    at the same step of their ranges fall in 8 distinct bank groups (no conflicts)."""
+    per = emu.thread_range(length, threads)
+    assert per % 8 == 0 and per * threads >= length
+    slots = [emu.range_slot(p, per) for p in range(0, length, 4)]
+    assert all(s % 4 == 0 for s in slots) and len(set(slots)) == len(slots)
+    cap = (length + 3) & ~3
+    assert all(s + 4 <= cap + emu.RANGE_PAD * threads for s in slots)
+    for t0 in range(0, threads, 8):
+        for m in range(0, per, 4):
+            groups = {(emu.range_slot((t0 + t) * per + m, per) // 4) % 8 for t in range(8)}
+            assert len(groups) == 8
+
+
+def test_the_kernel_source_uses_the_emulation_constants():
+    src = cuda_topk.source()
+    for name in ("RANGE_PAD", "SOLO_MAX", "TIE_MAX"):
+        assert f"#define {name} {getattr(emu, name)} " in src, name
+    assert (cuda_topk.RANGE_PAD, cuda_topk.SOLO_MAX) == (emu.RANGE_PAD, emu.SOLO_MAX)
+
+
+def test_cluster_chunks_and_ranges():
     assert emu.cluster_chunks(10, 4) == [(0, 4), (4, 4), (8, 2), (12, 0)]
     assert emu.cluster_chunks(65536, 8) == [(8192 * r, 8192) for r in range(8)]
-    tail = [(128 * w, 300) for w in range(3, 32)]  # empty segments past the chunk
-    assert emu.warp_segments(300, 32) == [(0, 128), (128, 256), (256, 300)] + tail
+    assert [emu.thread_range(n, 1024) for n in (0, 1, 8192, 8193, 32768, 43516)] == [8, 8, 8, 16, 32, 48]
     for n, c in [(0, 2), (3, 8), (2049, 4), (131071, 8)]:
         assert sum(length for _, length in emu.cluster_chunks(n, c)) == n
         assert all(lo % 4 == 0 for lo, _ in emu.cluster_chunks(n, c))  # float4 loads stay aligned
@@ -121,8 +166,8 @@ H200_SMEM = 232448 - 1024  # opt-in shared memory less the kernel's static share
 def test_plan_cluster_table():
     plan = lambda rows, width: cuda_topk.plan_cluster(rows, width, 132, H200_SMEM)  # noqa: E731
     table = {  # (rows, width): (CTAs per row, keys per CTA)
-        (1, 4096): (8, 512), (1, 65536): (8, 8192), (1, 131072): (8, 16384), (8, 65536): (8, 8192),
-        (16, 65536): (4, 16384), (32, 16384): (2, 8192), (32, 65536): (2, 32768),
+        (1, 4096): (1, 4096), (1, 16384): (1, 16384), (1, 16388): (8, 2052), (1, 65536): (8, 8192), (1, 131072): (8, 16384), (8, 65536): (8, 8192),
+        (16, 65536): (4, 16384), (32, 16384): (1, 16384), (32, 65536): (2, 32768),
         (64, 65536): (2, 32768), (64, 131072): (2, 43520), (128, 8192): (1, 8192),
         (128, 131072): (1, 48640), (1000, 8192): (1, 8192),
     }
@@ -130,8 +175,9 @@ def test_plan_cluster_table():
         got = plan(rows, width)
         assert (got.cluster, got.cap) == want, (rows, width, got)
         assert got.smem <= H200_SMEM and got.cap % 4 == 0
-    # the bound sets capacity, never the size: a wide bound keeps the cluster size
-    assert plan(8, 4096).cluster == plan(8, 131072).cluster
+    # a wide bound's cluster runs a short row on its first CTA: its capacity must cover one
+    assert plan(8, 131072).cap >= emu.SOLO_MAX and plan(1, 131072).cap >= emu.SOLO_MAX
+    assert plan(64, 131072).cap >= emu.SOLO_MAX
     assert cuda_topk.plan_cluster(0, 4096, 132, H200_SMEM) is None
     assert cuda_topk.plan_cluster(70000, 4096, 132, H200_SMEM) is None
     assert cuda_topk.plan_cluster(4, 4096, 132, H200_SMEM, cluster=2).cluster == 2
@@ -163,6 +209,18 @@ def test_plan_modes_and_early_exit():
     ties = emu.order_keys(torch.ones(5000))
     plan = emu.plan_row(ties, 2048)
     assert plan.bits == 32 and plan.need == 2048
+    assert torch.equal(emu.topk_row(torch.ones(5000), 2048), torch.arange(2048, dtype=torch.int32))
+
+
+def test_the_order_does_not_depend_on_the_early_exit():
+    """A row resolved by its first pass and the same selection resolved by all three write the
+    same row: the ascending positions of the selection."""
+    x = torch.tensor([8.0, 1.0, 16.0, 2.0, 4.0, 0.5])  # one exponent each: resolved by pass A
+    assert emu.plan_row(emu.order_keys(x), 3).mode == "none"
+    assert emu.topk_row(x, 3).tolist() == [0, 2, 4]
+    y = 1 + torch.tensor([0.08, 0.01, 0.12, 0.03, 0.1, 0.02])  # one top-11-bit bin: resolved below it
+    assert emu.plan_row(emu.order_keys(y), 3).bits > 11
+    assert emu.topk_row(y, 3).tolist() == [0, 2, 4]
 
 
 # --- NVRTC ------------------------------------------------------------------------------------
@@ -192,6 +250,10 @@ def test_kernel_source_compiles_for_sm90(output):
         kernels = 2 * (len(cuda_topk.VARIANTS) + clusters) + len(cuda_dcp_merge.KEYS_PER_THREAD)
         assert len(spills) == kernels, log  # ptxas -v: one line per kernel
         assert all("0 bytes spill stores, 0 bytes spill loads" in line for line in spills), log
+        # a cluster kernel's static shared memory within what the host leaves beside a plan's
+        static = re.findall(r"Function properties for (topk_cluster_\w+)\n.*\n.*?(\d+) bytes smem", log)
+        assert len(static) == 2 * clusters, log
+        assert max(int(b) for _, b in static) <= cuda_topk.STATIC_SMEM_RESERVE, static
 
 
 def test_status_says_why_without_a_device():

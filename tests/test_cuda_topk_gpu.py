@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from vllm_sparse_sync.kernels import cuda_topk_emu as emu
 from vllm_sparse_sync.kernels import reference as ref
 from vllm_sparse_sync.kernels.synth import make_case
 from vllm_sparse_sync.kernels.verify import topk_violations
@@ -60,9 +61,11 @@ def test_exact_sets_on_every_length(ties, route):
                       route=route)
         want = ref.topk_indices(x, row_lens, K, active_width=active)
         assert torch.equal(_sets(got), _sets(want))
-        # every route writes the same order: above the k-th key by position, then its ties
+        # every route writes the specification's row: the selection in ascending position order
         one_cta = _launch(x, row_lens, torch.empty_like(got), active)
         assert torch.equal(got, one_cta)
+        assert torch.equal(got.cpu(), emu.topk_indices(x.cpu(), row_lens.cpu(), K,
+                                                       active_width=None if active is None else active.cpu()))
 
 
 def test_the_default_route_for_many_rows_is_the_cuda_top_k_and_is_exact():
@@ -135,6 +138,36 @@ def test_cluster_chunks_longer_than_shared_memory_read_the_rest_from_global(rout
     row_lens = torch.tensor(lens, dtype=torch.int64, device=DEV)
     got = _launch(x, row_lens, torch.empty(len(lens), K, dtype=torch.int32, device=DEV), route=route, cap=cap)
     assert torch.equal(got, _launch(x, row_lens, torch.empty_like(got)))
+
+
+def _listed_rows(n=40000):
+    """Rows whose k-th key's bin is small: resolved from a list of at most TIE_MAX keys, ranked by
+    key then position, at 11 bits (row 0: four keys in one bin, two needed, equal keys) and at
+    22 bits (row 1: five keys sharing 22 bits inside a bin of 45)."""
+    g = torch.Generator().manual_seed(5)
+    rows = []
+    for big, tail in [(K - 2, [1.01, 1.0, 1.01, 1.01]),
+                      (K - 16, [1.0 + j * 0.004 for j in range(40)] + [1.1 + d * 2**-23 for d in (3, 1, 3, 2)])]:
+        x = -1.0 - torch.rand(n, generator=g)  # below every selected key
+        pos = torch.randperm(n, generator=g)
+        x[pos[:big]] = 100.0 + torch.arange(big, dtype=torch.float32)
+        x[pos[big:big + len(tail)]] = torch.tensor(tail)
+        rows.append(x)
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("route", [1, 2, 8])
+def test_listed_bins_rank_by_key_then_position(route):
+    from vllm_sparse_sync.kernels import cuda_topk_emu as emu
+
+    x = _listed_rows()
+    plans = [emu.plan_cluster_row(emu.order_keys(r), K) for r in x]
+    assert [(p.bits, p.listed, p.count, p.need) for p in plans] == [(11, True, 4, 2), (22, True, 5, 2)]
+    xd = x.to(DEV)
+    lens = torch.full((2,), x.shape[1], dtype=torch.int32, device=DEV)
+    got = _launch(xd, lens, torch.empty(2, K, dtype=torch.int32, device=DEV), route=route)
+    assert torch.equal(got.cpu(), emu.topk_indices(x, lens.cpu(), K))
+    assert torch.equal(got, _launch(xd, lens, torch.empty_like(got)))
 
 
 @pytest.mark.parametrize("route", ["cta", 8, "auto"])

@@ -197,8 +197,8 @@ def test_sample_topk_adversarial_rows(algo):
     for r in range(8):
         assert set(got[r].tolist()) == set(want[r].tolist()), f"row {r}"
     assert torch.equal(got, _ops().topk_indices(logits, lens, k, workspace=ws))
-    # the Triton radix writes the same order (the default route may be the CUDA top-k, whose
-    # order inside a row differs where a pass resolves the row early: sets are the contract)
+    # the Triton radix writes the same order (the default route may be the CUDA top-k, which
+    # writes each row in ascending position order: sets are the contract across routes)
     assert torch.equal(got, _ops().topk_indices(logits, lens, k, workspace=_ws(8, k, algo="radix")))
 
 

@@ -12,10 +12,11 @@
 //            over keys with u >> 10 == the 22-bit prefix. Keys come from registers (rows of at
 //            most one tile), from a shared-memory list of the bin's keys (bin count <= cap), or
 //            from the row again (global; exact whatever the data).
-//   collect  with the resolved prefix P of r bits (r = 11, 22 or 32): positions whose top r bits
-//            exceed P, in position order, then positions whose top r bits equal P, lowest
-//            positions first, the first `need` of them. Order-preserving block scans per tile;
-//            stops once both groups are complete.
+//   collect  with the resolved prefix P of r bits (r = 11, 22 or 32) the selection is the
+//            positions whose top r bits exceed P and the first `need` positions whose top r bits
+//            equal P, written in ascending position order: a position's slot is the count of
+//            selected positions before it (order-preserving block scans per tile). Stops once
+//            every selected position is written.
 //   short    a row of n <= k live scores writes 0..n-1 then -1.
 //
 // No global scratch, no atomics outside shared memory, nothing to reset: every launch is
@@ -291,11 +292,12 @@ __device__ __forceinline__ void topk_row(const float* __restrict__ logits, i64 s
             for (int c = 0; c < 4; ++c) {
                 const int idx = j * 4 + c;
                 const int pos = t0 + wbase + j * 128 + lane * 4 + c;
-                if (flags_above & (1u << idx)) {
-                    if (ra < n_above) o[ra] = pos;  // always true; guards a broken invariant
+                if (flags_above & (1u << idx)) {  // after every selected position before it
+                    const u32 d = ra + (rt < need ? rt : need);
+                    if (d < (u32)k) o[d] = pos;  // always true; guards a broken invariant
                     ++ra;
                 } else if (flags_tie & (1u << idx)) {
-                    if (rt < need) o[n_above + rt] = pos;
+                    if (rt < need) o[ra + rt] = pos;
                     ++rt;
                 }
             }
@@ -467,31 +469,38 @@ DCP_MERGE_KERNEL(8)
 DCP_MERGE_KERNEL(16)
 
 // ---------------------------------------------------------------------------------------------
-// Cluster route (sm_90+): C CTAs of one thread-block cluster share a row. The same passes, tie
-// rule and output as topk_row above (cuda_topk_emu.py stays the specification); only where keys
-// live changes:
+// Cluster route (sm_90+): C CTAs of one thread-block cluster share a row. The same selection
+// and output as topk_row above (cuda_topk_emu.py stays the specification: cluster_topk_row
+// models the steps below):
 //
 //   split    the live prefix n is cut on the device into C chunks of `chunk` = ceil(n / C)
 //            rounded up to 4 positions; CTA r (its cluster rank) owns positions
-//            [r * chunk, min(n, (r + 1) * chunk)). The first `cap` keys of the chunk are read once
-//            into shared memory; the rest (a chunk longer than the host sized for) are read from
-//            global memory again on each pass: exact whatever the length, fast up to `cap`.
+//            [r * chunk, min(n, (r + 1) * chunk)). A row of at most SOLO_MAX live keys that fits
+//            one CTA's keys runs on rank 0 alone, as the C = 1 kernel (the others leave at once).
+//            The first `cap` keys of the chunk are read once into shared memory; the rest (a
+//            chunk longer than the host sized for) are read from global memory again on each
+//            sweep: exact whatever the length, fast up to `cap`.
 //   passes   each CTA counts its chunk into a local histogram, then adds its nonzero bins into
 //            the pass's histogram of every CTA of the cluster (distributed shared memory
 //            reductions: traffic follows the occupied bins, not the bin count); after a cluster
 //            barrier every CTA holds the same totals and resolves the same prefix, need and early
 //            exit. Each pass has its own target histogram, cleared before a split barrier at the
-//            start, so no pass clears memory another CTA may still write.
-//   collect  each warp counts the above and tie keys of its contiguous segment of the chunk and
-//            lists their positions; every CTA writes its totals into the higher ranks' slots;
-//            after a barrier each warp starts its writes at the sums over lower ranks and lower
-//            warps and places its listed positions with ballots (a second pass over the segment
-//            when its list overflowed): the output order of topk_row. No remote access follows
-//            that barrier.
+//            start, so no pass clears memory another CTA may still write. Passes stop once the
+//            k-th key's bin is taken whole or holds at most TIE_MAX keys.
+//   collect  thread t owns the chunk positions [t * per, t * per + per) (per: a multiple of 8),
+//            kept in shared memory with RANGE_PAD words after each range so that the threads'
+//            16-byte reads hit distinct banks; each thread counts (and marks in bit masks) the
+//            keys above the bin (A) and in it (T) in its range; a listed bin's keys (more than
+//            needed, at most TIE_MAX) go to every CTA's list; one block scan (and every CTA's
+//            totals written into the higher ranks) gives the counts before the range; one warp
+//            ranks a listed bin by (key, position). Each selected key of the range goes to
+//            ra + tb (A keys and selected T keys before it): the ascending order of topk_row.
+//            No remote access follows the exchange's barrier.
 //
 // Dynamic shared memory (words): the local counts of the three passes hist[2048], hist1[2048],
 // hist2[1024] (all cleared at the start); for C > 1 the targets glob0[2048], glob1[2048],
-// glob2[1024]; the warps' position lists list[4096]; then keys[cap], cap a multiple of 4. Nothing global beyond the output: a launch
+// glob2[1024]; then the keys: cap of them, cap a multiple of 4, with RANGE_PAD words after each
+// thread's range (cap + RANGE_PAD * THREADS words). Nothing global beyond the output: a launch
 // replays in a CUDA graph as is.
 // ---------------------------------------------------------------------------------------------
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
@@ -565,89 +574,117 @@ __device__ __forceinline__ uint4 chunk_keys4(const float* __restrict__ x, int i,
     return q;
 }
 
-// the chunk's key at position i: shared memory below lim, global memory from lim on
-__device__ __forceinline__ u32 key_at(const u32* keys, int lim, const float* __restrict__ x, int nan_low,
-                                      int i) {
-    return i < lim ? keys[i] : order_key(__ldg(x + i), nan_low);
-}
+#define RANGE_PAD 4  // cuda_topk_emu.RANGE_PAD
 
-// the chunk's keys at positions p..p+3 (p a multiple of 4; 0 at or past len): shared memory
-// below lim (filled to a multiple of 4), global memory from lim on (lim < len only at cap, a
-// multiple of 4)
-template <bool ALIGNED>
-__device__ __forceinline__ uint4 chunk_keys4_at(const u32* keys, int lim, int len, const float* __restrict__ x,
-                                                int nan_low, int p) {
-    if (p < lim) return *reinterpret_cast<const uint4*>(keys + p);
-    return chunk_keys4<ALIGNED>(x, p, len, nan_low);
-}
-
-// f(i, key) for every position i of [0, len) with i = tid (mod THREADS), shared-memory keys read
-// U at a time (independent loads in flight), then the global tail
-template <int THREADS, int U, typename F>
-__device__ __forceinline__ void sweep(const u32* keys, int lim, int len, const float* __restrict__ x,
-                                      int nan_low, int tid, F f) {
-    int i = tid;
-    for (; i + (U - 1) * THREADS < lim; i += U * THREADS) {
-        u32 v[U];
-#pragma unroll
-        for (int u = 0; u < U; ++u) v[u] = keys[i + u * THREADS];
-#pragma unroll
-        for (int u = 0; u < U; ++u) f(i + u * THREADS, v[u]);
+// f(p, key) for the positions p of [r_lo, r_hi) (this thread's range, r_lo a multiple of 4), in
+// order: shared memory (padded slot p + RANGE_PAD * tid) below lim, global memory from lim on
+template <bool ALIGNED, typename F>
+__device__ __forceinline__ void range_sweep(const u32* keys, int lim, const float* __restrict__ x,
+                                            int nan_low, int r_lo, int r_hi, F f) {
+    const u32* mine = keys + RANGE_PAD * threadIdx.x;
+    int b = r_lo;
+    for (; b + 4 < r_hi && b + 8 <= lim; b += 8) {  // two 16-byte reads in flight
+        const uint4 q0 = *reinterpret_cast<const uint4*>(mine + b);
+        const uint4 q1 = *reinterpret_cast<const uint4*>(mine + b + 4);
+        f(b, q0.x);
+        f(b + 1, q0.y);
+        f(b + 2, q0.z);
+        f(b + 3, q0.w);
+        if (b + 4 < r_hi) f(b + 4, q1.x);
+        if (b + 5 < r_hi) f(b + 5, q1.y);
+        if (b + 6 < r_hi) f(b + 6, q1.z);
+        if (b + 7 < r_hi) f(b + 7, q1.w);
     }
-    for (; i < lim; i += THREADS) f(i, keys[i]);
-    for (; i < len; i += THREADS) f(i, order_key(__ldg(x + i), nan_low));
+    for (; b < r_hi; b += 4) {
+        const uint4 q = b < lim ? *reinterpret_cast<const uint4*>(mine + b)
+                                : chunk_keys4<ALIGNED>(x, b, r_hi, nan_low);
+        f(b, q.x);
+        if (b + 1 < r_hi) f(b + 1, q.y);
+        if (b + 2 < r_hi) f(b + 2, q.z);
+        if (b + 3 < r_hi) f(b + 3, q.w);
+    }
 }
 
+// exclusive prefixes of two per-thread counts over the block in thread order, and their totals;
+// one barrier; every thread calls it once (s_scan: 2 * WARPS words of its own)
+template <int THREADS>
+__device__ __forceinline__ void block_excl_scan2(u32& a, u32& b, u32* s_scan, u32& ta, u32& tb) {
+    constexpr int WARPS = THREADS / 32;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const u32 ia = warp_incl_scan(a, lane), ib = warp_incl_scan(b, lane);
+    if (lane == 31) {
+        s_scan[warp] = ia;
+        s_scan[WARPS + warp] = ib;
+    }
+    __syncthreads();
+    const u32 wa = lane < WARPS ? s_scan[lane] : 0u, wb = lane < WARPS ? s_scan[WARPS + lane] : 0u;
+    const u32 sa = warp_incl_scan(wa, lane), sb = warp_incl_scan(wb, lane);
+    ta = __shfl_sync(FULL_MASK, sa, 31);
+    tb = __shfl_sync(FULL_MASK, sb, 31);
+    const u32 ba = __shfl_sync(FULL_MASK, sa - wa, warp), bb = __shfl_sync(FULL_MASK, sb - wb, warp);
+    a = ba + ia - a;
+    b = bb + ib - b;
+}
+
+#define SOLO_MAX 16384  // cuda_topk_emu.SOLO_MAX
+#define TIE_MAX 32  // cuda_topk_emu.TIE_MAX
+
+// the old value of the shared word `p` of CTA `rank` after adding v to it
+__device__ __forceinline__ u32 cl_atomic_add(const u32* p, u32 rank, u32 v) {
+    u32 old;
+    asm volatile("atom.shared::cluster.add.u32 %0, [%1], %2;" : "=r"(old) : "r"(cl_map(p, rank)), "r"(v) : "memory");
+    return old;
+}
+
+// the row of n > k live keys on this CTA (rank of C) of a cluster whose dynamic shared memory
+// has been cleared (hist..hist2, and glob0..glob2 for C > 1); C == 1 also serves a short row on
+// rank 0 of a larger cluster (its allocation is larger than C == 1 needs)
 template <int C, int THREADS, bool ALIGNED>
-__device__ __forceinline__ void topk_cluster_row(const float* __restrict__ logits, i64 stride_r,
-                                                 const void* lens, int lens64, const void* active,
-                                                 int active64, int sel_width, int k,
-                                                 int* __restrict__ out, i64 stride_o, int nan_low,
-                                                 int cap) {
+__device__ __forceinline__ void topk_cluster_body(const float* __restrict__ logits, i64 stride_r, int n,
+                                                  int k, int* __restrict__ o, int nan_low, int cap,
+                                                  u32 rank) {
     constexpr int WARPS = THREADS / 32;
     constexpr int HIST_BINS = 2048;
     constexpr int UNROLL = 4;
-    constexpr int LIST_WORDS = 4096;
-    constexpr int LIST_CAP = LIST_WORDS / WARPS;
     static_assert(HIST_BINS % THREADS == 0 && 1024 % THREADS == 0, "bins per thread");
     static_assert(C >= 1 && C <= 8, "cluster size");
 
     extern __shared__ __align__(16) u32 smem[];
     __shared__ u32 s_warp[WARPS + 1];
+    __shared__ u32 s_scan[2 * WARPS];
     __shared__ u32 s_res[3];
     __shared__ u32 s_cnt[2 * C];  // (above, tie) counts of each lower rank
+    __shared__ u32 s_tn;  // the listed bin's keys so far (rank 0's counts for the cluster)
     u32* hist = smem;  // this CTA's counts of pass A, then of the two refine passes
     u32* hist1 = hist + HIST_BINS;
     u32* hist2 = hist1 + HIST_BINS;
     u32* glob0 = hist2 + 1024;
     u32* glob1 = glob0 + HIST_BINS;
     u32* glob2 = glob1 + HIST_BINS;
-    u32* list = C == 1 ? glob0 : glob2 + 1024;
-    u32* keys = list + LIST_WORDS;
+    u32* keys = C == 1 ? glob0 : glob2 + 1024;
+    // the listed bin (in hist, free once pass A is found): its keys and row positions, whether
+    // its j-th key in position order is selected, selected keys among its first j
+    u32* s_tkey = hist;
+    u32* s_tpos = hist + TIE_MAX;
+    u32* s_taken = hist + 2 * TIE_MAX;
+    u32* s_before = hist + 3 * TIE_MAX;  // TIE_MAX + 1 words
 
-    const int row = blockIdx.y;
-    const u32 rank = (C == 1) ? 0u : cl_rank();
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    int* __restrict__ o = out + (i64)row * stride_o;
-
-    // shared memory only: may overlap the previous kernel (programmatic dependent launch)
-    for (int i = tid; i < 2 * HIST_BINS + 1024; i += THREADS) hist[i] = 0u;  // all three passes'
-    if (C > 1)
-        for (int i = tid; i < 2 * HIST_BINS + 1024; i += THREADS) glob0[i] = 0u;
-    grid_dependency_wait();  // every global read and write comes after the previous kernel's
-
-    const int n = live_length(lens, lens64, active, active64, row, sel_width);
-    if (n <= k) {  // cluster-uniform: no CTA reaches a cluster barrier
-        for (int i = (int)rank * THREADS + tid; i < k; i += C * THREADS) o[i] = i < n ? i : -1;
-        return;
-    }
+    if (tid == 0) s_tn = 0u;
+    const bool multi = C > 1;
     const int chunk = ((n + C - 1) / C + 3) & ~3;
     const int lo = (int)rank * chunk;
     const int len = n - lo < 0 ? 0 : (n - lo > chunk ? chunk : n - lo);
     const int lim = len < cap ? len : cap;  // keys [0, lim) in shared memory, [lim, len) global
-    const float* __restrict__ x = logits + (i64)row * stride_r + lo;
+    const float* __restrict__ x = logits + lo;
+    // thread t's range [t * per, t * per + per) (cuda_topk_emu.thread_range); the slot of
+    // position p is p + RANGE_PAD * (p / per), p / per = umulhi(p, magic) exactly (p * per < 2^32)
+    const int per = (((len + THREADS - 1) / THREADS) + 7) & ~7 | 8 * (len == 0);
+    const u32 magic = 0xffffffffu / (u32)per + 1u;
+    const int r_lo = tid * per < len ? tid * per : len;
+    const int r_hi = r_lo + per < len ? r_lo + per : len;
 
-    if (C > 1) cl_arrive();  // after the clears; waited for before the first remote add
+    if (multi) cl_arrive();  // after the clears; waited for before the first remote add
     __syncthreads();  // cleared before the first add
 
     // load + pass A (top 11 bits) in one sweep
@@ -659,7 +696,7 @@ __device__ __forceinline__ void topk_cluster_row(const float* __restrict__ logit
         for (int u = 0; u < UNROLL; ++u) {
             const int p = i0 + u * THREADS * 4;
             if (p >= lim) continue;
-            *reinterpret_cast<uint4*>(keys + p) = q[u];
+            *reinterpret_cast<uint4*>(keys + p + RANGE_PAD * __umulhi((u32)p, magic)) = q[u];
             atomicAdd(&hist[q[u].x >> 21], 1u);
             if (p + 1 < lim) atomicAdd(&hist[q[u].y >> 21], 1u);
             if (p + 2 < lim) atomicAdd(&hist[q[u].z >> 21], 1u);
@@ -670,7 +707,7 @@ __device__ __forceinline__ void topk_cluster_row(const float* __restrict__ logit
         atomicAdd(&hist[order_key(__ldg(x + i), nan_low) >> 21], 1u);
     __syncthreads();
     const u32* totals = hist;
-    if (C > 1) {
+    if (multi) {
         cl_wait();
         cl_push_hist<C, THREADS>(hist, glob0, HIST_BINS);
         totals = glob0;
@@ -681,18 +718,19 @@ __device__ __forceinline__ void topk_cluster_row(const float* __restrict__ logit
     u32 cnt = s_res[2];
     int rbits = 11;
 
-    for (int pass = 1; pass <= 2 && cnt != need; ++pass) {  // cluster-uniform
+    // refine until the bin is taken whole or holds at most TIE_MAX keys (cluster-uniform)
+    for (int pass = 1; pass <= 2 && cnt != need && cnt > TIE_MAX; ++pass) {
         const int nbins = pass == 1 ? 2048 : 1024;
         const int shift = pass == 1 ? 10 : 0;
         const int pshift = pass == 1 ? 21 : 10;
         u32* h = pass == 1 ? hist1 : hist2;  // cleared at the start: no barrier before the adds
         const u32 pre = prefix, mask = (u32)(nbins - 1);
-        sweep<THREADS, 8>(keys, lim, len, x, nan_low, tid, [&](int, u32 u) {
+        range_sweep<ALIGNED>(keys, lim, x, nan_low, r_lo, r_hi, [&](int, u32 u) {
             if ((u >> pshift) == pre) atomicAdd(&h[(u >> shift) & mask], 1u);
         });
         __syncthreads();
         totals = h;
-        if (C > 1) {
+        if (multi) {
             u32* glob = pass == 1 ? glob1 : glob2;
             cl_push_hist<C, THREADS>(h, glob, nbins);
             totals = glob;
@@ -703,103 +741,132 @@ __device__ __forceinline__ void topk_cluster_row(const float* __restrict__ logit
         cnt = s_res[2];
         rbits += pass == 1 ? 11 : 10;
     }
+    // listed: the bin's keys (more than needed, at most TIE_MAX) are ranked by one warp
+    const bool listed = cnt != need && cnt <= TIE_MAX;
 
-    // collect: warp w owns the contiguous segment [w * seg, (w + 1) * seg) of the chunk (seg a
-    // multiple of 128). It counts its above and tie keys with ballots and lists their positions
-    // (in position order, ties tagged) in its LIST_WORDS / WARPS words of shared memory; a scan
-    // over warps (and over lower ranks) gives its offsets; then it writes from the list, or, when
-    // the list overflowed, from a second pass over its segment.
+    // collect: count this range's keys above the bin (A) and in it (T), listing T keys when
+    // listed; scan; write the selected keys of the range at the count of selected keys before
     const int shift = 32 - rbits;  // 21, 10 or 0
-    const u32 n_above = (u32)k - need;
-    const int seg = ((len + WARPS - 1) / WARPS + 127) & ~127;
-    const int s_lo = warp * seg;
-    const int s_hi = s_lo + seg < len ? s_lo + seg : len;
-    const u32 lt = (1u << lane) - 1u;
-    u32* wl = list + warp * LIST_CAP;
-    u32 w_above = 0, w_tie = 0;  // warp-uniform
-    for (int i0 = s_lo; i0 < s_hi; i0 += 128) {
-        u32 hi[4];
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const int i = i0 + 32 * j + lane;
-            hi[j] = i < s_hi ? key_at(keys, lim, x, nan_low, i) >> shift : 0u;
+    const bool use_mask = per <= 32;  // CTA-uniform: the range's A and T keys as bit masks
+    u32 ra = 0, rt = 0, amask = 0, tmask = 0;
+    range_sweep<ALIGNED>(keys, lim, x, nan_low, r_lo, r_hi, [&](int p, u32 u) {
+        const u32 hi = u >> shift;
+        if (hi > prefix) {
+            ++ra;
+            if (use_mask) amask |= 1u << (p - r_lo);
+        } else if (hi == prefix) {
+            ++rt;
+            if (use_mask) tmask |= 1u << (p - r_lo);
         }
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const int i = i0 + 32 * j + lane;
-            const bool is_above = i < s_hi && hi[j] > prefix;
-            const bool is_tie = i < s_hi && hi[j] == prefix;
-            const u32 ma = __ballot_sync(FULL_MASK, is_above), mt = __ballot_sync(FULL_MASK, is_tie);
-            const u32 slot = w_above + w_tie + __popc((ma | mt) & lt);
-            if ((is_above || is_tie) && slot < (u32)LIST_CAP) wl[slot] = (u32)i | (is_tie ? 0x80000000u : 0u);
-            w_above += __popc(ma);
-            w_tie += __popc(mt);
-        }
-    }
-    u32* s_wa = hist;  // free: the last find_bin read totals and ended with a barrier
-    u32* s_wt = hist + WARPS;
-    if (lane == 0) {
-        s_wa[warp] = w_above;
-        s_wt[warp] = w_tie;
-    }
-    __syncthreads();
-    u32 above_base = 0, tie_base = 0;
-    {
-        const u32 a = lane < WARPS ? s_wa[lane] : 0u, t = lane < WARPS ? s_wt[lane] : 0u;
-        const u32 ia = warp_incl_scan(a, lane), it = warp_incl_scan(t, lane);
-        above_base = __shfl_sync(FULL_MASK, ia - a, warp);  // over lower warps (WARPS <= 32)
-        tie_base = __shfl_sync(FULL_MASK, it - t, warp);
-        if (C > 1) {  // this CTA's totals into the higher ranks' slots
-            const u32 ta = __shfl_sync(FULL_MASK, ia, 31), tt = __shfl_sync(FULL_MASK, it, 31);
-            if (warp == 0 && lane > (int)rank && lane < C) {
-                cl_store(&s_cnt[2 * rank], (u32)lane, ta);
-                cl_store(&s_cnt[2 * rank + 1], (u32)lane, tt);
+    });
+    if (listed && rt != 0u) {  // the bin's keys into every CTA's list (at most TIE_MAX in the row)
+        auto push = [&](int p, u32 u) {
+            const u32 slot = multi ? cl_atomic_add(&s_tn, 0u, 1u) : atomicAdd(&s_tn, 1u);
+            if (slot >= TIE_MAX) return;  // never: the bin holds at most TIE_MAX keys
+            if (multi) {
+                for (int r = 0; r < C; ++r) {
+                    cl_store(&s_tkey[slot], (u32)r, u);
+                    cl_store(&s_tpos[slot], (u32)r, (u32)(lo + p));
+                }
+            } else {
+                s_tkey[slot] = u;
+                s_tpos[slot] = (u32)(lo + p);
             }
-        }
+        };
+        range_sweep<ALIGNED>(keys, lim, x, nan_low, r_lo, r_hi, [&](int p, u32 u) {
+            if ((u >> shift) == prefix) push(p, u);
+        });
     }
-    if (C > 1) {
+    const bool any = ra + rt != 0u;
+    u32 ta, tt;
+    block_excl_scan2<THREADS>(ra, rt, s_scan, ta, tt);  // its barrier orders the local list
+    if (multi) {  // this CTA's totals into the higher ranks' slots
+        if (tid > (int)rank && tid < C) {
+            cl_store(&s_cnt[2 * rank], (u32)tid, ta);
+            cl_store(&s_cnt[2 * rank + 1], (u32)tid, tt);
+        }
         cl_sync();  // the last remote access: CTAs may leave after it
         for (int r = 0; r < (int)rank; ++r) {
-            above_base += s_cnt[2 * r];
-            tie_base += s_cnt[2 * r + 1];
+            ra += s_cnt[2 * r];
+            rt += s_cnt[2 * r + 1];
         }
     }
-    u32 ra = above_base, rt = tie_base;
-    const u32 ra_end = above_base + w_above, rt_end = tie_base + w_tie;
-    const u32 listed = w_above + w_tie;
-    if (listed <= (u32)LIST_CAP) {  // warp-uniform
-        for (u32 e0 = 0; e0 < listed && (ra < ra_end || (rt < rt_end && rt < need)); e0 += 32) {
-            const u32 e = e0 + lane;
-            const u32 v = e < listed ? wl[e] : 0u;
-            const bool is_tie = e < listed && (v >> 31) != 0u;
-            const bool is_above = e < listed && (v >> 31) == 0u;
-            const u32 ma = __ballot_sync(FULL_MASK, is_above), mt = __ballot_sync(FULL_MASK, is_tie);
-            const int pos = lo + (int)(v & 0x7fffffffu);
-            if (is_above) o[ra + __popc(ma & lt)] = pos;
-            if (is_tie) {
-                const u32 r = rt + __popc(mt & lt);
-                if (r < need) o[n_above + r] = pos;
+    if (listed) {  // block-uniform
+        if (warp == 0) {  // rank by (key descending, position ascending); positions are unique
+            const u32 m = cnt;
+            const u32 key = (u32)lane < m ? s_tkey[lane] : 0u, pos = (u32)lane < m ? s_tpos[lane] : 0u;
+            u32 vrank = 0, prank = 0;
+            for (u32 j = 0; j < m; ++j) {
+                const u32 kj = __shfl_sync(FULL_MASK, key, (int)j), pj = __shfl_sync(FULL_MASK, pos, (int)j);
+                vrank += (kj > key || (kj == key && pj < pos)) ? 1u : 0u;
+                prank += pj < pos ? 1u : 0u;
             }
-            ra += __popc(ma);
-            rt += __popc(mt);
+            if ((u32)lane < m) s_taken[prank] = vrank < need ? 1u : 0u;
+            __syncwarp();
+            const u32 taken = __ballot_sync(FULL_MASK, (u32)lane < m && s_taken[lane] != 0u);
+            s_before[lane] = __popc(taken & ((1u << lane) - 1u));
+            if (lane == 0) s_before[TIE_MAX] = __popc(taken);
+        }
+        __syncthreads();
+    }
+    if (!any) return;
+    u32 tb = listed ? s_before[rt < TIE_MAX ? rt : TIE_MAX] : (rt < need ? rt : need);  // taken T before
+    auto put = [&](int p, bool is_a) {
+        if (is_a) {
+            const u32 d = ra + tb;
+            if (d < (u32)k) o[d] = lo + p;  // always true; guards a broken invariant
+            ++ra;
+        } else {
+            const bool taken = listed ? (rt < TIE_MAX && s_taken[rt] != 0u) : rt < need;
+            if (taken) {
+                const u32 d = ra + tb;
+                if (d < (u32)k) o[d] = lo + p;
+                ++tb;
+            }
+            ++rt;
+        }
+    };
+    if (use_mask) {
+        for (u32 m = amask | tmask; m != 0u; m &= m - 1u) {
+            const int b = __ffs(m) - 1;
+            put(r_lo + b, (amask >> b) & 1u);
         }
         return;
     }
-    // the list overflowed (a segment with more than LIST_CAP above and tie keys): a second pass
-    for (int i0 = s_lo; i0 < s_hi && (ra < ra_end || (rt < rt_end && rt < need)); i0 += 32) {  // warp-uniform
-        const int i = i0 + lane;
-        const u32 hi = i < s_hi ? key_at(keys, lim, x, nan_low, i) >> shift : 0u;
-        const bool is_above = i < s_hi && hi > prefix;
-        const bool is_tie = i < s_hi && hi == prefix;
-        const u32 ma = __ballot_sync(FULL_MASK, is_above), mt = __ballot_sync(FULL_MASK, is_tie);
-        if (is_above) o[ra + __popc(ma & lt)] = lo + i;
-        if (is_tie) {
-            const u32 r = rt + __popc(mt & lt);
-            if (r < need) o[n_above + r] = lo + i;
-        }
-        ra += __popc(ma);
-        rt += __popc(mt);
+    range_sweep<ALIGNED>(keys, lim, x, nan_low, r_lo, r_hi, [&](int p, u32 u) {
+        const u32 hi = u >> shift;
+        if (hi >= prefix) put(p, hi > prefix);
+    });
+}
+
+template <int C, int THREADS, bool ALIGNED>
+__device__ __forceinline__ void topk_cluster_row(const float* __restrict__ logits, i64 stride_r,
+                                                 const void* lens, int lens64, const void* active,
+                                                 int active64, int sel_width, int k,
+                                                 int* __restrict__ out, i64 stride_o, int nan_low,
+                                                 int cap) {
+    extern __shared__ __align__(16) u32 smem[];
+    const int row = blockIdx.y;
+    const u32 rank = (C == 1) ? 0u : cl_rank();
+    const int tid = threadIdx.x;
+    int* __restrict__ o = out + (i64)row * stride_o;
+
+    // shared memory only: may overlap the previous kernel (programmatic dependent launch)
+    for (int i = tid; i < (C == 1 ? 1 : 2) * (2 * 2048 + 1024); i += THREADS) smem[i] = 0u;
+    grid_dependency_wait();  // every global read and write comes after the previous kernel's
+
+    const int n = live_length(lens, lens64, active, active64, row, sel_width);
+    if (n <= k) {  // cluster-uniform: no CTA reaches a cluster barrier
+        for (int i = (int)rank * THREADS + tid; i < k; i += C * THREADS) o[i] = i < n ? i : -1;
+        return;
     }
+    // a short row runs on rank 0 alone, as with one CTA per row (cuda_topk_emu.cluster_split)
+    if (C > 1 && n <= SOLO_MAX && n <= cap) {  // cluster-uniform; no barrier or remote access follows
+        if (rank == 0u) topk_cluster_body<1, THREADS, ALIGNED>(logits + (i64)row * stride_r, stride_r, n, k, o,
+                                                               nan_low, cap, 0u);
+        return;
+    }
+    topk_cluster_body<C, THREADS, ALIGNED>(logits + (i64)row * stride_r, stride_r, n, k, o, nan_low, cap, rank);
 }
 
 #define TOPK_CLUSTER_KERNEL(C, T, A)                                                               \

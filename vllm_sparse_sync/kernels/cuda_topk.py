@@ -39,6 +39,8 @@ HIST_BINS = 2048
 CLUSTER_SIZES = (1, 2, 4, 8)
 CLUSTER_THREADS = (1024, 512)
 CLUSTER_MIN_CAPABILITY = (9, 0)
+STATIC_SMEM_RESERVE = 1024
+"""bytes of the opt-in shared memory left to a cluster kernel's static share"""
 
 
 def source() -> str:
@@ -65,20 +67,25 @@ def cluster_chunk_cap(sel_width: int, cluster: int) -> int:
     return max(4, (-(-sel_width // cluster) + 3) & ~3)
 
 
-CLUSTER_LIST_WORDS = 4096
-"""the warps' lists of selected positions in a cluster-route CTA"""
+RANGE_PAD = 4
+"""words after each thread's range of keys in a cluster-route CTA (``cuda_topk_emu.RANGE_PAD``)"""
 
 
-def cluster_smem_bytes(cap: int, cluster: int) -> int:
-    """Dynamic shared memory of one cluster-route CTA holding ``cap`` keys: the local counts of
-    the three passes, for ``cluster > 1`` the three pass totals, the warps' position lists, and
-    the keys."""
+def cluster_smem_bytes(cap: int, cluster: int, threads: int = 1024) -> int:
+    """Dynamic shared memory of one cluster-route CTA of ``threads`` threads holding ``cap`` keys:
+    the local counts of the three passes, for ``cluster > 1`` the three pass totals, and the keys
+    with a pad after each thread's range."""
     passes = 2 * HIST_BINS + 1024
-    return 4 * (passes + (0 if cluster == 1 else passes) + CLUSTER_LIST_WORDS + cap)
+    return 4 * (passes + (0 if cluster == 1 else passes) + cap + RANGE_PAD * threads)
 
 
-def _keys_fitting(smem: int, cluster: int) -> int:
-    return max(0, (smem // 4 - (cluster_smem_bytes(0, cluster) // 4)) & ~3)
+SOLO_MAX = 16384
+"""a row of at most this many live keys runs on one CTA (``cuda_topk_emu.SOLO_MAX``): the planner
+takes one CTA per row for such a bound, and a cluster's first CTA takes such a row alone"""
+
+
+def _keys_fitting(smem: int, cluster: int, threads: int) -> int:
+    return max(0, (smem // 4 - (cluster_smem_bytes(0, cluster, threads) // 4)) & ~3)
 
 
 @dataclass(frozen=True)
@@ -99,7 +106,9 @@ def plan_cluster(rows: int, sel_width: int, sm_count: int, smem_optin: int,
 
     CTAs per row (unless forced by ``cluster``): the largest size whose ``rows x size`` CTAs fit
     one wave, counted as the SMs for clusters of 1 or 2 and half the SMs for 4 or 8 (larger
-    clusters pack less densely into the GPU's processing clusters); 1 past that. Keys per CTA:
+    clusters pack less densely into the GPU's processing clusters); 1 past that, and 1 for a
+    bound of at most ``SOLO_MAX`` keys (a wider bound's cluster runs such rows on its first CTA,
+    whose capacity covers them). Keys per CTA:
     the chunk of ``sel_width``, at most what fits the shared memory of one CTA per SM. The size
     and capacity follow the rows and the host bound, never live lengths: the device splits each
     row by its live length.
@@ -108,16 +117,16 @@ def plan_cluster(rows: int, sel_width: int, sm_count: int, smem_optin: int,
         return None
     if cluster is None:
         fits = [c for c in CLUSTER_SIZES if rows * c <= (sm_count if c <= 2 else sm_count // 2)]
-        cluster = fits[-1] if fits else 1
+        cluster = fits[-1] if fits and sel_width > SOLO_MAX else 1
     elif cluster not in CLUSTER_SIZES:
         raise ValueError(f"cuda top-k: cluster size must be one of {CLUSTER_SIZES}, got {cluster!r}")
     if threads not in CLUSTER_THREADS:
         raise ValueError(f"cuda top-k: cluster threads must be one of {CLUSTER_THREADS}, got {threads!r}")
     per_sm = 1 if rows * cluster <= sm_count else 1024 // threads  # what the registers allow
-    cap = min(cluster_chunk_cap(sel_width, cluster), _keys_fitting(smem_optin // per_sm, cluster))
+    cap = min(cluster_chunk_cap(sel_width, cluster), _keys_fitting(smem_optin // per_sm, cluster, threads))
     if cap < 4:
         return None
-    return ClusterPlan(cluster, cap, cluster_smem_bytes(cap, cluster), threads)
+    return ClusterPlan(cluster, cap, cluster_smem_bytes(cap, cluster, threads), threads)
 
 
 def _bindings():
@@ -171,7 +180,7 @@ def cluster_smem_limit(index: int) -> int:
     _check(driver.cuInit(0), "cuInit")
     cu_dev = _check(driver.cuDeviceGet(index), "cuDeviceGet")
     attr = driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN
-    return int(_check(driver.cuDeviceGetAttribute(attr, cu_dev), "cuDeviceGetAttribute")) - 1024
+    return int(_check(driver.cuDeviceGetAttribute(attr, cu_dev), "cuDeviceGetAttribute")) - STATIC_SMEM_RESERVE
 
 
 class CompileError(RuntimeError):
@@ -404,7 +413,7 @@ def launch_cuda_topk_cluster(
     if cap is not None:
         if cap < 4 or cap % 4 or cap > plan.cap:
             raise ValueError(f"cuda top-k: cap must be a multiple of 4 in [4, {plan.cap}], got {cap}")
-        plan = ClusterPlan(plan.cluster, cap, cluster_smem_bytes(cap, plan.cluster), plan.threads)
+        plan = ClusterPlan(plan.cluster, cap, cluster_smem_bytes(cap, plan.cluster, plan.threads), plan.threads)
     if rows == 0:
         return plan
     aligned = x.data_ptr() % 16 == 0 and stride_r % 4 == 0

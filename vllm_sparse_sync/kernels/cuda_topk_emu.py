@@ -1,6 +1,11 @@
 """Pure-torch emulation of ``cuda_topk.cu``: the same digit passes, early exit, tie rule and
-collection order, so the CPU tests pin down what the CUDA kernel must output (element for
-element, not only the set). See the comment at the top of ``cuda_topk.cu``.
+output order, so the CPU tests pin down what the CUDA kernel must output (element for element,
+not only the set). See the comment at the top of ``cuda_topk.cu``.
+
+The output of a row of n > k live scores is its selection in ascending position order: every
+position whose key is above the k-th largest key, and the lowest positions among the keys equal
+to it, as many as k needs. The order depends on the set alone, so every route and every early
+exit writes the same row.
 
 The kernel's storage modes (registers, shared-memory candidates, the row again) change where
 keys are read from, never the result; ``mode`` reports which one a row would take.
@@ -94,7 +99,7 @@ def topk_row(x: torch.Tensor, k: int, *, nan_low: bool = True, tile: int = 16384
     above = torch.nonzero(hi > plan.prefix).flatten()
     ties = torch.nonzero(hi == plan.prefix).flatten()[: plan.need]
     assert above.numel() == k - plan.need and ties.numel() == plan.need
-    out[:] = torch.cat([above, ties]).to(torch.int32)
+    out[:] = torch.cat([above, ties]).sort().values.to(torch.int32)
     return out
 
 
@@ -117,44 +122,114 @@ def cluster_chunks(n: int, cluster: int) -> list[tuple[int, int]]:
     return [(r * chunk, max(0, min(chunk, n - r * chunk))) for r in range(cluster)]
 
 
-def warp_segments(length: int, warps: int) -> list[tuple[int, int]]:
-    """``[lo, hi)`` of each warp's segment of a chunk in the cluster route's collect: a multiple of
-    128 positions per warp, the last ones shorter or empty."""
-    seg = (-(-length // warps) + 127) & ~127
-    return [(w * seg, min(w * seg + seg, length)) for w in range(warps)]
+RANGE_PAD = 4
+"""words of shared memory after each thread's range of keys in the cluster route"""
 
 
-def cluster_topk_row(x: torch.Tensor, k: int, cluster: int, *, warps: int = 32,
-                     nan_low: bool = True) -> torch.Tensor:
+def thread_range(length: int, threads: int) -> int:
+    """Keys per thread in the cluster route's collect over a chunk of ``length`` keys: thread t
+    owns chunk positions ``[t * per, t * per + per)``; ``per`` is a multiple of 8 (at least 8)."""
+    return max(8, (-(-length // threads) + 7) & ~7)
+
+
+def range_slot(p: int, per: int) -> int:
+    """The shared-memory word of chunk position ``p``: ``RANGE_PAD`` words after each thread's
+    range, so a warp's 16-byte reads of its ranges fall in distinct banks."""
+    return p + RANGE_PAD * (p // per)
+
+
+SOLO_MAX = 16384
+"""rows of at most this many live keys (that fit one CTA's keys) run on the cluster's first CTA alone"""
+TIE_MAX = 32
+"""a level whose bin holds at most this many keys (more than needed) is resolved from a list"""
+
+
+def cluster_split(n: int, cluster: int, cap: int) -> list[tuple[int, int]]:
+    """The cluster route's chunks of a row of ``n`` live keys: one chunk on the first CTA when
+    the row is short (``n <= SOLO_MAX`` and ``n <= cap``), else ``cluster_chunks``."""
+    if cluster > 1 and n <= min(SOLO_MAX, cap):
+        return [(0, n)] + [(n, 0)] * (cluster - 1)
+    return cluster_chunks(n, cluster)
+
+
+@dataclass(frozen=True)
+class ClusterRowPlan:
+    """The cluster route's level for one row of more than k live keys."""
+
+    prefix: int
+    bits: int
+    """resolved top bits: 11, 22 or 32"""
+    need: int
+    count: int
+    """keys in the level's bin"""
+    listed: bool
+    """the bin's keys are resolved from a list (at most ``TIE_MAX``, more than ``need``)"""
+
+
+def plan_cluster_row(u: torch.Tensor, k: int) -> ClusterRowPlan:
+    """``plan_row``'s passes, stopping at a bin of at most ``TIE_MAX`` keys."""
+    b, need, cnt = _find_bin(torch.bincount(u >> 21, minlength=2048), k)
+    prefix, bits = b, 11
+    for shift, width in PASSES[1:]:
+        if cnt == need or cnt <= TIE_MAX:
+            break
+        sel = u[(u >> (shift + width)) == prefix]
+        d, need, cnt = _find_bin(torch.bincount((sel >> shift) & ((1 << width) - 1), minlength=1 << width), need)
+        prefix, bits = (prefix << width) | d, bits + width
+    return ClusterRowPlan(prefix, bits, need, cnt, cnt != need and cnt <= TIE_MAX)
+
+
+def cluster_topk_row(x: torch.Tensor, k: int, cluster: int, *, threads: int = 1024,
+                     nan_low: bool = True, cap: int = 1 << 30) -> torch.Tensor:
     """The cluster route's output row for the live scores ``x``, built the way the kernel builds
-    it: per-chunk histograms summed, then each (CTA, warp) segment writing its above and tie
-    keys at the counts of every earlier segment. Equal to ``topk_row`` (the specification)."""
+    it: per-chunk histograms summed, passes until the k-th key's bin is taken whole, resolved, or
+    holds at most ``TIE_MAX`` keys; each thread counts the keys above the bin (A) and in it (T) in
+    its range; an exclusive scan over (CTA, thread) in position order gives the counts before it;
+    a listed bin's keys are ranked by (key, position) in one warp, and ``taken[j]`` says whether
+    the bin's j-th key in position order is selected (else the first ``need`` are). A key of A or
+    a taken key of T goes to ``ra + tb`` (A keys and taken T keys before it). Equal to
+    ``topk_row`` (the specification)."""
     n = x.numel()
     out = _short_or_empty_row(n, k)
     if n <= k:
         return out
     u = order_keys(x, nan_low)
-    chunks = cluster_chunks(n, cluster)
+    chunks = cluster_split(n, cluster, cap)
     assert sum(length for _, length in chunks) == n
     hist = sum(torch.bincount(u[lo:lo + length] >> 21, minlength=2048) for lo, length in chunks)
     assert torch.equal(hist, torch.bincount(u >> 21, minlength=2048))
-    plan = plan_row(u, k)
-    shift = 32 - plan.bits
-    n_above = k - plan.need
-    ra = rt = 0
+    plan = plan_cluster_row(u, k)
+    hi = u >> (32 - plan.bits)
+    above = (hi > plan.prefix).tolist()
+    tie = (hi == plan.prefix).tolist()
+    tie_pos = [p for p in range(n) if tie[p]]
+    if plan.listed:  # the one warp's ranking: key descending, then position ascending
+        ranked = sorted(tie_pos, key=lambda p: (-int(u[p]), p))
+        chosen = set(ranked[: plan.need])
+        taken = [p in chosen for p in tie_pos]
+    else:
+        taken = [j < plan.need for j in range(len(tie_pos))]
+    taken_before = [0]
+    for t in taken:
+        taken_before.append(taken_before[-1] + int(t))
+    out.fill_(-7)
+    ra = rt = 0  # the exclusive scan, range by range
     for lo, length in chunks:
-        for s_lo, s_hi in warp_segments(length, warps):
-            if s_hi <= s_lo:
-                continue
-            hi = u[lo + s_lo:lo + s_hi] >> shift
-            above = torch.nonzero(hi > plan.prefix).flatten() + lo + s_lo
-            ties = torch.nonzero(hi == plan.prefix).flatten() + lo + s_lo
-            out[ra:ra + above.numel()] = above.to(torch.int32)
-            take = ties[: max(0, plan.need - rt)]
-            out[n_above + rt:n_above + rt + take.numel()] = take.to(torch.int32)
-            ra += above.numel()
-            rt += ties.numel()
-    assert ra == n_above and rt >= plan.need
+        per = thread_range(length, threads)
+        for t in range(threads):
+            r_lo, r_hi = lo + min(t * per, length), lo + min(t * per + per, length)
+            a, q, tb = ra, rt, taken_before[rt]
+            for p in range(r_lo, r_hi):
+                if above[p]:
+                    out[a + tb] = p
+                    a += 1
+                elif tie[p]:
+                    if taken[q]:
+                        out[a + tb] = p
+                        tb += 1
+                    q += 1
+            ra, rt = a, q
+    assert ra == k - taken_before[-1] and rt == len(tie_pos)
     return out
 
 
