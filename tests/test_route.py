@@ -156,10 +156,12 @@ def test_cuda_radix_takes_the_cluster_route_on_sm90():
     assert plan_route(1, K64, 64, hopper, score=False) == Route(
         CUDA_RADIX, 1, topk_chunks=8, topk_cluster=8, topk_cap=8192)
     assert plan_route(4, 4096, 64, hopper, score=False).kind == CUDA_RADIX
-    # scored calls too: the scorer, then the cluster top-k, instead of the fused step
+    # scored calls too: the scorer, then the cluster top-k, instead of the fused step (a bound of
+    # at most SOLO_MAX keys: one CTA per row)
     assert plan_route(1, 4096, 64, hopper) == Route(
-        CUDA_RADIX, 1, score_splits=132 * DEFAULT_CONFIG.scorer.ctas_per_sm, topk_chunks=8, topk_cluster=8,
-        topk_cap=512)
+        CUDA_RADIX, 1, score_splits=132 * DEFAULT_CONFIG.scorer.ctas_per_sm, topk_chunks=1, topk_cluster=1,
+        topk_cap=4096)
+    assert plan_route(1, 32768, 64, hopper).topk_cluster == 8
     assert plan_route(1, 4096, 64, hopper, KernelConfig(topk=TopkConfig(cuda_cluster=False))).kind == FUSED
     assert plan_route(1, 4096, 64, hopper, KernelConfig(topk=TopkConfig(algo="radix"))).kind == FUSED
     # off: the one-CTA kernel from cuda_min_rows rows up, as before sm_90

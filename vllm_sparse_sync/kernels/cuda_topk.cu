@@ -636,13 +636,12 @@ __device__ __forceinline__ u32 cl_atomic_add(const u32* p, u32 rank, u32 v) {
     return old;
 }
 
-// the row of n > k live keys on this CTA (rank of C) of a cluster whose dynamic shared memory
-// has been cleared (hist..hist2, and glob0..glob2 for C > 1); C == 1 also serves a short row on
-// rank 0 of a larger cluster (its allocation is larger than C == 1 needs)
+// one row (`logits` at its first score) of n > k live keys, on this CTA (`rank` of C) of a
+// cluster whose dynamic shared memory is cleared (hist..hist2, and glob0..glob2 for C > 1);
+// C == 1 also serves a short row on rank 0 of a larger cluster (whose allocation is larger)
 template <int C, int THREADS, bool ALIGNED>
-__device__ __forceinline__ void topk_cluster_body(const float* __restrict__ logits, i64 stride_r, int n,
-                                                  int k, int* __restrict__ o, int nan_low, int cap,
-                                                  u32 rank) {
+__device__ __forceinline__ void topk_cluster_body(const float* __restrict__ logits, int n, int k,
+                                                  int* __restrict__ o, int nan_low, int cap, u32 rank) {
     constexpr int WARPS = THREADS / 32;
     constexpr int HIST_BINS = 2048;
     constexpr int UNROLL = 4;
@@ -862,11 +861,10 @@ __device__ __forceinline__ void topk_cluster_row(const float* __restrict__ logit
     }
     // a short row runs on rank 0 alone, as with one CTA per row (cuda_topk_emu.cluster_split)
     if (C > 1 && n <= SOLO_MAX && n <= cap) {  // cluster-uniform; no barrier or remote access follows
-        if (rank == 0u) topk_cluster_body<1, THREADS, ALIGNED>(logits + (i64)row * stride_r, stride_r, n, k, o,
-                                                               nan_low, cap, 0u);
+        if (rank == 0u) topk_cluster_body<1, THREADS, ALIGNED>(logits + (i64)row * stride_r, n, k, o, nan_low, cap, 0u);
         return;
     }
-    topk_cluster_body<C, THREADS, ALIGNED>(logits + (i64)row * stride_r, stride_r, n, k, o, nan_low, cap, rank);
+    topk_cluster_body<C, THREADS, ALIGNED>(logits + (i64)row * stride_r, n, k, o, nan_low, cap, rank);
 }
 
 #define TOPK_CLUSTER_KERNEL(C, T, A)                                                               \
