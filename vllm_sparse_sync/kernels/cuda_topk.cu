@@ -575,6 +575,7 @@ __device__ __forceinline__ uint4 chunk_keys4(const float* __restrict__ x, int i,
 }
 
 #define RANGE_PAD 4  // cuda_topk_emu.RANGE_PAD
+#define PASS_WORDS (2 * 2048 + 1024)  // the three passes' counts: hist, hist1, hist2 (and glob0..glob2)
 
 // f(p, key) for the positions p of [r_lo, r_hi) (this thread's range, r_lo a multiple of 4), in
 // order: shared memory (padded slot p + RANGE_PAD * tid) below lim, global memory from lim on
@@ -670,7 +671,7 @@ __device__ __forceinline__ void topk_cluster_body(const float* __restrict__ logi
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     if (tid == 0) s_tn = 0u;
-    const bool multi = C > 1;
+    constexpr bool multi = C > 1;
     const int chunk = ((n + C - 1) / C + 3) & ~3;
     const int lo = (int)rank * chunk;
     const int len = n - lo < 0 ? 0 : (n - lo > chunk ? chunk : n - lo);
@@ -851,7 +852,7 @@ __device__ __forceinline__ void topk_cluster_row(const float* __restrict__ logit
     int* __restrict__ o = out + (i64)row * stride_o;
 
     // shared memory only: may overlap the previous kernel (programmatic dependent launch)
-    for (int i = tid; i < (C == 1 ? 1 : 2) * (2 * 2048 + 1024); i += THREADS) smem[i] = 0u;
+    for (int i = tid; i < (C == 1 ? 1 : 2) * PASS_WORDS; i += THREADS) smem[i] = 0u;  // hist.., glob..
     grid_dependency_wait();  // every global read and write comes after the previous kernel's
 
     const int n = live_length(lens, lens64, active, active64, row, sel_width);
