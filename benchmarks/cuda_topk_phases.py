@@ -30,10 +30,10 @@ K = 2048
 CUTS = [
     (1, "    if (n <= k) {  // cluster-uniform",
      "if (STOP_AT == 1) { if (tid == 0) o[0] = n; return; }\n"),
-    (2, "    // refine until the bin is taken whole",
-     "if (STOP_AT == 2) { if (tid == 0) o[0] = (int)prefix; return; }\n"),
+    (2, "    // refine on the next",
+     "if (STOP_AT == 2) { if (tid == 0) o[0] = (int)(klo ^ need); return; }\n"),
     (3, "    // listed: the bin's keys",
-     "if (STOP_AT == 3) { if (tid == 0) o[0] = (int)(prefix ^ need); return; }\n"),
+     "if (STOP_AT == 3) { if (tid == 0) o[0] = (int)(klo ^ khi ^ need); return; }\n"),
     (4, "    if (!any) return;",
      "if (STOP_AT == 4) { if (tid == 0) o[0] = (int)(ra ^ rt); return; }\n"),
 ]
@@ -69,6 +69,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", default="1:1x4096,8:1x65536,8:1x131072,8:8x65536,2:64x65536,1:128x8192")
     ap.add_argument("--ncalls", type=int, default=16)
+    ap.add_argument("--mean", type=float, default=0.0, help="the logits' mean (normal)")
+    ap.add_argument("--std", type=float, default=1.0,
+                    help="the logits' standard deviation (the indexer benchmark's: about mean 8.5, std 19)")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         print("error: needs a CUDA device", file=sys.stderr)
@@ -92,11 +95,11 @@ def main() -> None:
         functions = {stop: cuda_topk._check(driver.cuModuleGetFunction(
             m, cuda_topk.cluster_kernel_name(C, True).encode()), "get") for stop, m in modules.items()}
         g = torch.Generator(device="cuda").manual_seed(B + L)
-        xs = [torch.randn(B, W, device="cuda", generator=g) for _ in range(4)]
+        xs = [torch.randn(B, W, device="cuda", generator=g) * a.std + a.mean for _ in range(4)]
         lens = torch.full((B,), L, dtype=torch.int32, device="cuda")
         out = torch.empty(B, K, dtype=torch.int32, device="cuda")
         plan = cuda_topk.plan_cluster(B, W, mod.sm_count, mod.smem_optin, cluster=C)
-        res = {"C": C, "B": B, "L": L, "W": W, "cap": plan.cap}
+        res = {"C": C, "B": B, "L": L, "W": W, "cap": plan.cap, "mean": a.mean, "std": a.std}
         for stop, fn in functions.items():
             cuda_topk._check(driver.cuFuncSetAttribute(fn, attr, plan.smem), "smem")
             res[NAMES[stop]] = time_cut(fake, fn, plan, C, xs, lens, out, a.ncalls)

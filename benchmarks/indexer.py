@@ -330,15 +330,22 @@ def bench_deepgemm(dg, inp: Inputs, ncalls: int, res: dict) -> None:
 
 
 def bench_vllm_topk(ops, inp: Inputs, ncalls: int, res: dict) -> None:
+    """vLLM's persistent and cooperative top-k; each one's set checked against the reference."""
+    from vllm_sparse_sync.kernels import triton_ops as tk
+
     B, L = inp.B, inp.L
-    _, nl, _, bufs = peer_logits(inp, ncalls)
+    _, nl, base, bufs = peer_logits(inp, ncalls)
     ws = torch.empty(1024 * 1024, dtype=torch.uint8, device=DEV)
     out = torch.full((B, TOPK), -1, dtype=torch.int32, device=DEV)
+    want = tk.topk_indices(base, inp.lens, TOPK).sort(dim=1).values
     for name in ("persistent", "cooperative"):
         op = getattr(ops, f"{name}_topk")
         try:
             res[f"vllm_{name}_topk_us"] = timeit(
                 lambda i, op=op: lambda: op(bufs[i % nl], inp.lens, out, ws, TOPK, L), ncalls)
+            out.fill_(-1)
+            op(base, inp.lens, out, ws, TOPK, L)
+            res[f"vllm_{name}_topk_check"] = "ok" if torch.equal(out.sort(dim=1).values, want) else "differs"
         except Exception as exc:  # cooperative_topk serves <= 64 rows only
             res[f"vllm_{name}_topk_err"] = str(exc).splitlines()[0][:100]
             torch.cuda.synchronize()

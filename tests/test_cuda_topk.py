@@ -127,6 +127,61 @@ def test_cluster_levels_list_small_bins():
     assert emu.cluster_split(16385, 8, 16384) == emu.cluster_chunks(16385, 8)
 
 
+def test_one_cta_bins_partition_the_keys():
+    """``solo_bin``'s 4096 bins are consecutive intervals of keys covering all 2^32 of them, in
+    order, and each bin's keys are ``solo_bin_keys``' interval."""
+    spans = [emu.solo_bin_keys(b) for b in range(4096)]
+    assert spans[0][0] == 0 and spans[-1][1] == 2**32 - 1
+    assert all(lo <= hi for lo, hi in spans)
+    assert all(spans[b][1] + 1 == spans[b + 1][0] for b in range(4095))
+    ends = torch.tensor([v for span in spans for v in span])
+    assert torch.equal(emu.solo_bin(ends), torch.arange(4096).repeat_interleave(2))
+    # the window: 64 bins per octave of |x| from 2^-14 to 2^18; its first and last bins per sign
+    # (the edges) also hold the magnitudes below and above it
+    x = torch.tensor([1.0, 1.0 + 2**-6, 2.0**17, 2.0**18 * (1 - 2**-7), 2.0**-14 * (1 + 2**-6), 2.0**-14, 0.0])
+    b = emu.solo_bin(emu.order_keys(x)).tolist()
+    assert b[1] == b[0] + 1 and b[2] == 4095 - 63 and b[3] == 4095 and b[4] == 2049 and b[5] == b[6] == 2048
+    assert emu.solo_bin(emu.order_keys(-x)).tolist() == [4095 - v for v in b]
+
+
+@given(st.lists(st.integers(0, 2**32 - 1), min_size=2, max_size=64))
+def test_one_cta_bins_follow_the_key_order(keys):
+    u = torch.tensor(sorted(keys))
+    b = emu.solo_bin(u)
+    assert (b.diff() >= 0).all()
+    for key, bin_ in zip(u.tolist(), b.tolist()):
+        lo, hi = emu.solo_bin_keys(bin_)
+        assert lo <= key <= hi
+
+
+def _edge_row() -> torch.Tensor:
+    """Zeros and 2^-14 (the positive edge bin, 2^-14 at its top) with 100 keys of the next bin
+    mixed in: the first refine digit of the edge bin spans both."""
+    x = torch.cat([torch.full((200,), 2.0**-14), torch.full((100,), 2.0**-14 * (1 + 2**-6)), torch.zeros(300)])
+    return x[torch.randperm(600, generator=torch.Generator().manual_seed(0))]
+
+
+def test_one_cta_levels():
+    """The one-CTA plan on the rows each of its levels is for, and the row it writes."""
+    gen = torch.Generator().manual_seed(3)
+    indexer_like = torch.randn(4096, generator=gen) * 19 + 8.5  # benchmarks/indexer.py's logits, roughly
+    cases = [  # (row, k, refine passes, listed)
+        (indexer_like, 2048, 0, True),  # the 4096-bin pass A leaves a short list
+        (torch.ones(5000), 2048, 2, False),  # one key value in an inner bin: 11 + 6 bits, by position
+        (torch.full((5000,), -0.0), 2048, 3, False),  # an edge bin: 11 + 11 + 8 bits
+        (1.0 + torch.arange(4000) * 2**-22, 100, 1, True),  # 4000 keys in one bin: one pass, a list
+        (_edge_row(), 150, 3, False),  # the refine digits reach past the edge bin's keys
+    ]
+    for x, k, passes, listed in cases:
+        plan = emu.plan_cluster_row(emu.order_keys(x), k, solo=True)
+        assert (plan.passes, plan.listed) == (passes, listed), (x[:3], plan)
+        assert plan.count <= emu.SOLO_TIE_MAX or not listed
+        want = emu.topk_row(x, k)
+        assert torch.equal(emu.cluster_topk_row(x, k, 1), want)
+        assert torch.equal(emu.cluster_topk_row(x, k, 8), want)  # a short row: the same code
+    assert emu.plan_cluster_row(emu.order_keys(indexer_like), 2048).passes == 1  # a cluster's pass A
+
+
 @given(st.integers(0, 50000), st.sampled_from(cuda_topk.CLUSTER_THREADS))
 def test_thread_ranges_fit_the_padded_shared_layout(length, threads):
     """Each key's word is its own (the kernel stores 16-byte groups), inside the keys area the
@@ -146,9 +201,13 @@ def test_thread_ranges_fit_the_padded_shared_layout(length, threads):
 
 def test_the_kernel_source_uses_the_emulation_constants():
     src = cuda_topk.source()
-    for name in ("RANGE_PAD", "SOLO_MAX", "TIE_MAX"):
+    for name in ("RANGE_PAD", "SOLO_MAX", "TIE_MAX", "SOLO_TIE_MAX", "SOLO_EXP_LO"):
         assert f"#define {name} {getattr(emu, name)} " in src, name
     assert (cuda_topk.RANGE_PAD, cuda_topk.SOLO_MAX) == (emu.RANGE_PAD, emu.SOLO_MAX)
+    # the pass counts' layout the host sizes shared memory with
+    for name, words in [("PASS_WORDS", cuda_topk.CLUSTER_PASS_WORDS), ("SOLO_WORDS", cuda_topk.SOLO_PASS_WORDS)]:
+        expr = re.search(rf"#define {name} (\([0-9 +*]+\))", src)
+        assert expr and eval(expr.group(1)) == words, name  # noqa: S307 (digits and + * only)
 
 
 def test_cluster_chunks_and_ranges():
@@ -169,7 +228,7 @@ def test_plan_cluster_table():
         (1, 4096): (1, 4096), (1, 16384): (1, 16384), (1, 16388): (8, 2052), (1, 65536): (8, 8192), (1, 131072): (8, 16384), (8, 65536): (8, 8192),
         (16, 65536): (4, 16384), (32, 16384): (1, 16384), (32, 65536): (2, 32768),
         (64, 65536): (2, 32768), (64, 131072): (2, 43520), (128, 8192): (1, 8192),
-        (128, 131072): (1, 48640), (1000, 8192): (1, 8192),
+        (128, 131072): (1, 45568), (1000, 8192): (1, 8192),
     }
     for (rows, width), want in table.items():
         got = plan(rows, width)

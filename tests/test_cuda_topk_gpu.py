@@ -161,13 +161,46 @@ def test_listed_bins_rank_by_key_then_position(route):
     from vllm_sparse_sync.kernels import cuda_topk_emu as emu
 
     x = _listed_rows()
-    plans = [emu.plan_cluster_row(emu.order_keys(r), K) for r in x]
-    assert [(p.bits, p.listed, p.count, p.need) for p in plans] == [(11, True, 4, 2), (22, True, 5, 2)]
+    plans = [emu.plan_cluster_row(emu.order_keys(r), K, solo=route == 1) for r in x]
+    want_plans = {1: [(15, True, 4, 2), (15, True, 8, 4)]}.get(route, [(11, True, 4, 2), (22, True, 5, 2)])
+    assert [(p.bits, p.listed, p.count, p.need) for p in plans] == want_plans
     xd = x.to(DEV)
     lens = torch.full((2,), x.shape[1], dtype=torch.int32, device=DEV)
     got = _launch(xd, lens, torch.empty(2, K, dtype=torch.int32, device=DEV), route=route)
     assert torch.equal(got.cpu(), emu.topk_indices(x, lens.cpu(), K))
     assert torch.equal(got, _launch(xd, lens, torch.empty_like(got)))
+
+
+@pytest.mark.parametrize("route,cap", [(1, None), (1, 1024), (8, None)])
+def test_one_cta_levels_write_the_emulated_row(route, cap):
+    """The one-CTA code (the C = 1 kernel, which reads a row's first keys beside its live length,
+    and a short row on a cluster's first CTA) on rows for each of its levels: a list after pass A,
+    refine passes in an inner and an edge bin, one key value; live lengths below the host width
+    whose tails would win if read; keys past a small ``cap`` from global memory. Element for
+    element against the emulation."""
+    from test_cuda_topk import _edge_row
+
+    g = torch.Generator().manual_seed(3)
+    cases = [  # (live scores, k, refine passes of the one-CTA plan)
+        (torch.randn(4096, generator=g) * 19 + 8.5, K, 0),
+        (torch.ones(5000), K, 2),
+        (torch.full((5000,), -0.0), K, 3),
+        (1.0 + torch.arange(4000) * 2**-22, 100, 1),
+        (_edge_row(), 150, 3),
+        (torch.randn(16384, generator=g) * 19 + 8.5, K, None),
+    ]
+    width = 131072  # a cluster's chunks of this bound hold a 16K row: it runs on the first CTA
+    for live, k, passes in cases:
+        plan = emu.plan_cluster_row(emu.order_keys(live), k, solo=True)
+        assert passes is None or plan.passes == passes
+        n = live.numel()
+        rows = torch.full((2, width), 1e30)  # a tail past the live length that would win
+        rows[:, :n] = live
+        rows[1, :n] = live.flip(0)
+        lens = torch.tensor([n, n], dtype=torch.int32)
+        got = _launch(rows.to(DEV), lens.to(DEV), torch.empty(2, k, dtype=torch.int32, device=DEV), k=k,
+                      route=route, cap=cap)
+        assert torch.equal(got.cpu(), emu.topk_indices(rows, lens, k)), (n, k, passes)
 
 
 @pytest.mark.parametrize("route", ["cta", 8, "auto"])

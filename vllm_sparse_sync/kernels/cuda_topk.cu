@@ -101,14 +101,14 @@ __device__ __forceinline__ u32 warps_excl_scan(u32 warp_total, u32* s_warp, u32&
 
 // The bin of an nbins histogram (counted from the top bin down) holding the need-th largest key:
 // s_res = {bin, need left inside the bin, the bin's count}. Requires total >= need >= 1 and
-// nbins a multiple of THREADS. Two barriers (every warp scans the warps' totals itself); ends
-// with a barrier after s_res is written. s_warp holds THREADS / 32 words.
+// nbins a power of two (any, against THREADS). Two barriers (every warp scans the warps' totals
+// itself); ends with a barrier after s_res is written. s_warp holds THREADS / 32 words.
 template <int THREADS>
 __device__ __forceinline__ void find_bin(const u32* hist, int nbins, u32 need, u32* s_warp,
                                          u32* s_res) {
     constexpr int WARPS = THREADS / 32;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int per = nbins / THREADS;
+    const int per = nbins > THREADS ? nbins / THREADS : (tid < nbins ? 1 : 0);
     const int hi = nbins - 1 - tid * per;  // this thread's bins: hi, hi-1, ..., hi-per+1
     u32 local = 0;
     for (int i = 0; i < per; ++i) local += hist[hi - i];
@@ -558,6 +558,19 @@ __device__ __forceinline__ void cl_push_hist(const u32* hist, u32* glob, int nbi
     cl_sync();
 }
 
+// the raw bits of positions i..i+3 of the chunk (0 at or past lim); x points at its first position
+template <bool ALIGNED>
+__device__ __forceinline__ uint4 chunk_bits4(const float* __restrict__ x, int i, int lim) {
+    if (ALIGNED && i + 4 <= lim) return __ldg(reinterpret_cast<const uint4*>(x + i));
+    const u32* __restrict__ b = reinterpret_cast<const u32*>(x);
+    uint4 q;
+    q.x = i + 0 < lim ? __ldg(b + i + 0) : 0u;
+    q.y = i + 1 < lim ? __ldg(b + i + 1) : 0u;
+    q.z = i + 2 < lim ? __ldg(b + i + 2) : 0u;
+    q.w = i + 3 < lim ? __ldg(b + i + 3) : 0u;
+    return q;
+}
+
 // keys of positions i..i+3 of the chunk (0 at or past lim); x points at the chunk's first position
 template <bool ALIGNED>
 __device__ __forceinline__ uint4 chunk_keys4(const float* __restrict__ x, int i, int lim, int nan_low) {
@@ -629,6 +642,31 @@ __device__ __forceinline__ void block_excl_scan2(u32& a, u32& b, u32* s_scan, u3
 
 #define SOLO_MAX 16384  // cuda_topk_emu.SOLO_MAX
 #define TIE_MAX 32  // cuda_topk_emu.TIE_MAX
+#define SOLO_TIE_MAX 128  // cuda_topk_emu.SOLO_TIE_MAX
+#define SOLO_EXP_LO 113  // cuda_topk_emu.SOLO_EXP_LO
+#define SOLO_WORDS (4096 + 2 * 2048)  // a one-CTA row's counts: hist[4096], hist1[2048], hist2[2048]
+#define CLUSTER_UNROLL 4  // 16-byte loads in flight per thread in the first sweep
+
+// The one-CTA pass-A bin of key u (cuda_topk_emu.solo_bin): 2048 bins per sign, 64 per binary
+// octave of |x| from 2^(SOLO_EXP_LO - 127) to 2^(SOLO_EXP_LO - 95); each sign's first and last
+// bins also hold the magnitudes below and above. Non-decreasing in u; a bin is an interval of keys.
+__device__ __forceinline__ u32 solo_bin(u32 u) {
+    const int s = (int)(u >> 17);
+    const bool pos = s >= 0x4000;
+    int j = s - (pos ? 0x4000 + SOLO_EXP_LO * 64 : 0x3800 - SOLO_EXP_LO * 64);
+    j = j < 0 ? 0 : (j > 2047 ? 2047 : j);
+    return (u32)j + (pos ? 2048u : 0u);
+}
+
+// the keys [lo, hi] of solo_bin's bin b (cuda_topk_emu.solo_bin_keys)
+__device__ __forceinline__ void solo_bin_keys(u32 b, u32& lo, u32& hi) {
+    const bool pos = b >= 2048u;
+    const u32 j = b & 2047u, base = pos ? 0x4000u + SOLO_EXP_LO * 64 : 0x3800u - SOLO_EXP_LO * 64;
+    const u32 s_lo = j == 0u ? (pos ? 0x4000u : 0u) : base + j;
+    const u32 s_hi = j == 2047u ? (pos ? 0x7fffu : 0x3fffu) : base + j;
+    lo = s_lo << 17;
+    hi = (s_hi << 17) | 0x1ffffu;
+}
 
 // the old value of the shared word `p` of CTA `rank` after adding v to it
 __device__ __forceinline__ u32 cl_atomic_add(const u32* p, u32 rank, u32 v) {
@@ -637,16 +675,26 @@ __device__ __forceinline__ u32 cl_atomic_add(const u32* p, u32 rank, u32 v) {
     return old;
 }
 
+// the raw bits of the first CLUSTER_UNROLL 16-byte groups a thread loads (one-CTA rows: read
+// beside the live length, before it is known)
+struct FirstKeys {
+    uint4 q[CLUSTER_UNROLL];
+};
+
 // one row (`logits` at its first score) of n > k live keys, on this CTA (`rank` of C) of a
 // cluster whose dynamic shared memory is cleared (hist..hist2, and glob0..glob2 for C > 1);
-// C == 1 also serves a short row on rank 0 of a larger cluster (whose allocation is larger)
-template <int C, int THREADS, bool ALIGNED>
+// C == 1 also serves a short row on rank 0 of a larger cluster (whose allocation is larger).
+// PRE: `first` holds the raw bits of the thread's first-sweep groups below min(n, cap) (C == 1).
+template <int C, int THREADS, bool ALIGNED, bool PRE>
 __device__ __forceinline__ void topk_cluster_body(const float* __restrict__ logits, int n, int k,
-                                                  int* __restrict__ o, int nan_low, int cap, u32 rank) {
+                                                  int* __restrict__ o, int nan_low, int cap, u32 rank,
+                                                  const FirstKeys& first) {
     constexpr int WARPS = THREADS / 32;
-    constexpr int HIST_BINS = 2048;
-    constexpr int UNROLL = 4;
-    static_assert(HIST_BINS % THREADS == 0 && 1024 % THREADS == 0, "bins per thread");
+    constexpr bool multi = C > 1;
+    constexpr int BINS_A = multi ? 2048 : 4096;  // pass A: u >> 21, or solo_bin (one CTA)
+    constexpr int TIE = multi ? TIE_MAX : SOLO_TIE_MAX;  // the largest bin resolved from a list
+    constexpr int UNROLL = CLUSTER_UNROLL;
+    static_assert(1024 % THREADS == 0 && THREADS % TIE == 0 && THREADS / TIE <= 32, "threads");
     static_assert(C >= 1 && C <= 8, "cluster size");
 
     extern __shared__ __align__(16) u32 smem[];
@@ -655,23 +703,22 @@ __device__ __forceinline__ void topk_cluster_body(const float* __restrict__ logi
     __shared__ u32 s_res[3];
     __shared__ u32 s_cnt[2 * C];  // (above, tie) counts of each lower rank
     __shared__ u32 s_tn;  // the listed bin's keys so far (rank 0's counts for the cluster)
-    u32* hist = smem;  // this CTA's counts of pass A, then of the two refine passes
-    u32* hist1 = hist + HIST_BINS;
-    u32* hist2 = hist1 + HIST_BINS;
-    u32* glob0 = hist2 + 1024;
-    u32* glob1 = glob0 + HIST_BINS;
-    u32* glob2 = glob1 + HIST_BINS;
-    u32* keys = C == 1 ? glob0 : glob2 + 1024;
+    u32* hist = smem;  // this CTA's counts of pass A, then of the refine passes
+    u32* hist1 = hist + BINS_A;
+    u32* hist2 = hist1 + 2048;
+    u32* glob0 = hist2 + (multi ? 1024 : 2048);  // C > 1: the cluster's totals of each pass
+    u32* glob1 = glob0 + 2048;
+    u32* glob2 = glob1 + 2048;
+    u32* keys = multi ? glob2 + 1024 : glob0;
     // the listed bin (in hist, free once pass A is found): its keys and row positions, whether
     // its j-th key in position order is selected, selected keys among its first j
     u32* s_tkey = hist;
-    u32* s_tpos = hist + TIE_MAX;
-    u32* s_taken = hist + 2 * TIE_MAX;
-    u32* s_before = hist + 3 * TIE_MAX;  // TIE_MAX + 1 words
+    u32* s_tpos = hist + TIE;
+    u32* s_taken = hist + 2 * TIE;
+    u32* s_before = hist + 3 * TIE;  // TIE + 1 words
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    if (tid == 0) s_tn = 0u;
-    constexpr bool multi = C > 1;
+    if (multi && tid == 0) s_tn = 0u;
     const int chunk = ((n + C - 1) / C + 3) & ~3;
     const int lo = (int)rank * chunk;
     const int len = n - lo < 0 ? 0 : (n - lo > chunk ? chunk : n - lo);
@@ -687,46 +734,70 @@ __device__ __forceinline__ void topk_cluster_body(const float* __restrict__ logi
     if (multi) cl_arrive();  // after the clears; waited for before the first remote add
     __syncthreads();  // cleared before the first add
 
-    // load + pass A (top 11 bits) in one sweep
-    for (int i0 = tid * 4; i0 < lim; i0 += THREADS * 4 * UNROLL) {
+    // load + pass A in one sweep
+    for (int i0 = tid * 4, it = 0; i0 < lim; i0 += THREADS * 4 * UNROLL, ++it) {
         uint4 q[UNROLL];
 #pragma unroll
-        for (int u = 0; u < UNROLL; ++u) q[u] = chunk_keys4<ALIGNED>(x, i0 + u * THREADS * 4, lim, nan_low);
+        for (int u = 0; u < UNROLL; ++u) {
+            if (PRE && it == 0) {
+                const uint4 b = first.q[u];
+                q[u] = make_uint4(order_key(__uint_as_float(b.x), nan_low), order_key(__uint_as_float(b.y), nan_low),
+                                  order_key(__uint_as_float(b.z), nan_low), order_key(__uint_as_float(b.w), nan_low));
+            } else {
+                q[u] = chunk_keys4<ALIGNED>(x, i0 + u * THREADS * 4, lim, nan_low);
+            }
+        }
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
             const int p = i0 + u * THREADS * 4;
             if (p >= lim) continue;
             *reinterpret_cast<uint4*>(keys + p + RANGE_PAD * __umulhi((u32)p, magic)) = q[u];
-            atomicAdd(&hist[q[u].x >> 21], 1u);
-            if (p + 1 < lim) atomicAdd(&hist[q[u].y >> 21], 1u);
-            if (p + 2 < lim) atomicAdd(&hist[q[u].z >> 21], 1u);
-            if (p + 3 < lim) atomicAdd(&hist[q[u].w >> 21], 1u);
+            const u32 b0 = multi ? q[u].x >> 21 : solo_bin(q[u].x), b1 = multi ? q[u].y >> 21 : solo_bin(q[u].y);
+            const u32 b2 = multi ? q[u].z >> 21 : solo_bin(q[u].z), b3 = multi ? q[u].w >> 21 : solo_bin(q[u].w);
+            atomicAdd(&hist[b0], 1u);
+            if (p + 1 < lim) atomicAdd(&hist[b1], 1u);
+            if (p + 2 < lim) atomicAdd(&hist[b2], 1u);
+            if (p + 3 < lim) atomicAdd(&hist[b3], 1u);
         }
     }
-    for (int i = lim + tid; i < len; i += THREADS)  // the chunk past cap, from global memory
-        atomicAdd(&hist[order_key(__ldg(x + i), nan_low) >> 21], 1u);
+    for (int i = lim + tid; i < len; i += THREADS) {  // the chunk past cap, from global memory
+        const u32 u = order_key(__ldg(x + i), nan_low);
+        atomicAdd(&hist[multi ? u >> 21 : solo_bin(u)], 1u);
+    }
     __syncthreads();
     const u32* totals = hist;
     if (multi) {
         cl_wait();
-        cl_push_hist<C, THREADS>(hist, glob0, HIST_BINS);
+        cl_push_hist<C, THREADS>(hist, glob0, BINS_A);
         totals = glob0;
     }
-    find_bin<THREADS>(totals, HIST_BINS, (u32)k, s_warp, s_res);
-    u32 prefix = s_res[0];
+    find_bin<THREADS>(totals, BINS_A, (u32)k, s_warp, s_res);
+    // the keys [klo, khi] of the k-th key's bin hold the threshold: those above khi are taken
+    u32 klo, khi;
+    if (multi) {
+        klo = s_res[0] << 21;
+        khi = klo | 0x1fffffu;
+    } else {
+        solo_bin_keys(s_res[0], klo, khi);
+    }
     u32 need = s_res[1];
     u32 cnt = s_res[2];
-    int rbits = 11;
 
-    // refine until the bin is taken whole or holds at most TIE_MAX keys (cluster-uniform)
-    for (int pass = 1; pass <= 2 && cnt != need && cnt > TIE_MAX; ++pass) {
-        const int nbins = pass == 1 ? 2048 : 1024;
-        const int shift = pass == 1 ? 10 : 0;
-        const int pshift = pass == 1 ? 21 : 10;
-        u32* h = pass == 1 ? hist1 : hist2;  // cleared at the start: no barrier before the adds
-        const u32 pre = prefix, mask = (u32)(nbins - 1);
+    // refine on the next (at most 11) bits below those klo and khi share, until the bin is
+    // taken whole, holds at most TIE keys or one key value (cluster-uniform)
+    for (int pass = 1; cnt != need && cnt > (u32)TIE && klo != khi; ++pass) {
+        const int sh = 32 - __clz(klo ^ khi);  // the bits that vary in [klo, khi]
+        const int bits = sh < 11 ? sh : 11;
+        const int dsh = sh - bits;
+        const int nbins = 1 << bits;
+        const u32 mask = (u32)(nbins - 1), l = klo, r = khi;
+        u32* h = pass == 1 ? hist1 : (pass == 2 ? hist2 : hist);  // cleared at the start but hist
+        if (pass == 3) {  // one CTA only (a cluster's pass A leaves 21 bits: two passes)
+            for (int i = tid; i < nbins; i += THREADS) h[i] = 0u;
+            __syncthreads();
+        }
         range_sweep<ALIGNED>(keys, lim, x, nan_low, r_lo, r_hi, [&](int, u32 u) {
-            if ((u >> pshift) == pre) atomicAdd(&h[(u >> shift) & mask], 1u);
+            if (u >= l && u <= r) atomicAdd(&h[(u >> dsh) & mask], 1u);
         });
         __syncthreads();
         totals = h;
@@ -736,45 +807,40 @@ __device__ __forceinline__ void topk_cluster_body(const float* __restrict__ logi
             totals = glob;
         }
         find_bin<THREADS>(totals, nbins, need, s_warp, s_res);
-        prefix = (prefix << (pass == 1 ? 11 : 10)) | s_res[0];
+        const u32 base = sh >= 32 ? 0u : (klo >> sh) << sh;
+        const u32 dlo = base | (s_res[0] << dsh), dhi = dlo | ((1u << dsh) - 1u);
+        klo = klo > dlo ? klo : dlo;
+        khi = khi < dhi ? khi : dhi;
         need = s_res[1];
         cnt = s_res[2];
-        rbits += pass == 1 ? 11 : 10;
     }
-    // listed: the bin's keys (more than needed, at most TIE_MAX) are ranked by one warp
-    const bool listed = cnt != need && cnt <= TIE_MAX;
+    // listed: the bin's keys (more than needed, at most TIE) are ranked by (key, position)
+    const bool listed = cnt != need && cnt <= (u32)TIE;
 
     // collect: count this range's keys above the bin (A) and in it (T), listing T keys when
     // listed; scan; write the selected keys of the range at the count of selected keys before
-    const int shift = 32 - rbits;  // 21, 10 or 0
     const bool use_mask = per <= 32;  // CTA-uniform: the range's A and T keys as bit masks
+    const u32 l = klo, r = khi;
     u32 ra = 0, rt = 0, amask = 0, tmask = 0;
     range_sweep<ALIGNED>(keys, lim, x, nan_low, r_lo, r_hi, [&](int p, u32 u) {
-        const u32 hi = u >> shift;
-        if (hi > prefix) {
+        if (u > r) {
             ++ra;
             if (use_mask) amask |= 1u << (p - r_lo);
-        } else if (hi == prefix) {
+        } else if (u >= l) {
             ++rt;
             if (use_mask) tmask |= 1u << (p - r_lo);
         }
     });
-    if (listed && rt != 0u) {  // the bin's keys into every CTA's list (at most TIE_MAX in the row)
-        auto push = [&](int p, u32 u) {
-            const u32 slot = multi ? cl_atomic_add(&s_tn, 0u, 1u) : atomicAdd(&s_tn, 1u);
-            if (slot >= TIE_MAX) return;  // never: the bin holds at most TIE_MAX keys
-            if (multi) {
-                for (int r = 0; r < C; ++r) {
-                    cl_store(&s_tkey[slot], (u32)r, u);
-                    cl_store(&s_tpos[slot], (u32)r, (u32)(lo + p));
-                }
-            } else {
-                s_tkey[slot] = u;
-                s_tpos[slot] = (u32)(lo + p);
-            }
-        };
+    const u32 mine_t = rt;
+    if (multi && listed && rt != 0u) {  // the bin's keys into every CTA's list (at most TIE in the row)
         range_sweep<ALIGNED>(keys, lim, x, nan_low, r_lo, r_hi, [&](int p, u32 u) {
-            if ((u >> shift) == prefix) push(p, u);
+            if (u < l || u > r) return;
+            const u32 slot = cl_atomic_add(&s_tn, 0u, 1u);
+            if (slot >= (u32)TIE) return;  // never: the bin holds at most TIE keys
+            for (int q = 0; q < C; ++q) {
+                cl_store(&s_tkey[slot], (u32)q, u);
+                cl_store(&s_tpos[slot], (u32)q, (u32)(lo + p));
+            }
         });
     }
     const bool any = ra + rt != 0u;
@@ -786,38 +852,64 @@ __device__ __forceinline__ void topk_cluster_body(const float* __restrict__ logi
             cl_store(&s_cnt[2 * rank + 1], (u32)tid, tt);
         }
         cl_sync();  // the last remote access: CTAs may leave after it
-        for (int r = 0; r < (int)rank; ++r) {
-            ra += s_cnt[2 * r];
-            rt += s_cnt[2 * r + 1];
+        for (int q = 0; q < (int)rank; ++q) {
+            ra += s_cnt[2 * q];
+            rt += s_cnt[2 * q + 1];
         }
     }
     if (listed) {  // block-uniform
-        if (warp == 0) {  // rank by (key descending, position ascending); positions are unique
-            const u32 m = cnt;
-            const u32 key = (u32)lane < m ? s_tkey[lane] : 0u, pos = (u32)lane < m ? s_tpos[lane] : 0u;
-            u32 vrank = 0, prank = 0;
-            for (u32 j = 0; j < m; ++j) {
-                const u32 kj = __shfl_sync(FULL_MASK, key, (int)j), pj = __shfl_sync(FULL_MASK, pos, (int)j);
+        if (!multi) {  // one CTA: the list in position order, each range at its scan offset
+            if (mine_t != 0u) {
+                u32 slot = rt;
+                range_sweep<ALIGNED>(keys, lim, x, nan_low, r_lo, r_hi, [&](int p, u32 u) {
+                    if (u < l || u > r || slot >= (u32)TIE) return;
+                    s_tkey[slot] = u;
+                    s_tpos[slot] = (u32)(lo + p);
+                    ++slot;
+                });
+            }
+            __syncthreads();
+        }
+        // G threads per listed key count the keys ranked before it by (key descending, position
+        // ascending) and the positions before it (positions are unique)
+        constexpr int G = THREADS / TIE;
+        const u32 m = cnt, c = (u32)(tid / G);
+        u32 vrank = 0, prank = 0;
+        if (c < m) {
+            const u32 key = s_tkey[c], pos = s_tpos[c];
+            for (u32 j = (u32)(tid % G); j < m; j += G) {
+                const u32 kj = s_tkey[j], pj = s_tpos[j];
                 vrank += (kj > key || (kj == key && pj < pos)) ? 1u : 0u;
                 prank += pj < pos ? 1u : 0u;
             }
-            if ((u32)lane < m) s_taken[prank] = vrank < need ? 1u : 0u;
-            __syncwarp();
-            const u32 taken = __ballot_sync(FULL_MASK, (u32)lane < m && s_taken[lane] != 0u);
-            s_before[lane] = __popc(taken & ((1u << lane) - 1u));
-            if (lane == 0) s_before[TIE_MAX] = __popc(taken);
+        }
+#pragma unroll
+        for (int d = 1; d < G; d <<= 1) {
+            vrank += __shfl_xor_sync(FULL_MASK, vrank, d);
+            prank += __shfl_xor_sync(FULL_MASK, prank, d);
+        }
+        if (c < m && tid % G == 0) s_taken[prank] = vrank < need ? 1u : 0u;
+        __syncthreads();
+        if (warp == 0) {  // s_before[j]: the selected keys among the first j in position order
+            u32 run = 0;
+            for (int g = 0; g < TIE; g += 32) {
+                const u32 taken = __ballot_sync(FULL_MASK, (u32)(g + lane) < m && s_taken[g + lane] != 0u);
+                s_before[g + lane] = run + __popc(taken & ((1u << lane) - 1u));
+                run += __popc(taken);
+            }
+            if (lane == 0) s_before[TIE] = run;
         }
         __syncthreads();
     }
     if (!any) return;
-    u32 tb = listed ? s_before[rt < TIE_MAX ? rt : TIE_MAX] : (rt < need ? rt : need);  // taken T before
+    u32 tb = listed ? s_before[rt < (u32)TIE ? rt : (u32)TIE] : (rt < need ? rt : need);  // taken T before
     auto put = [&](int p, bool is_a) {
         if (is_a) {
             const u32 d = ra + tb;
             if (d < (u32)k) o[d] = lo + p;  // always true; guards a broken invariant
             ++ra;
         } else {
-            const bool taken = listed ? (rt < TIE_MAX && s_taken[rt] != 0u) : rt < need;
+            const bool taken = listed ? (rt < (u32)TIE && s_taken[rt] != 0u) : rt < need;
             if (taken) {
                 const u32 d = ra + tb;
                 if (d < (u32)k) o[d] = lo + p;
@@ -834,8 +926,7 @@ __device__ __forceinline__ void topk_cluster_body(const float* __restrict__ logi
         return;
     }
     range_sweep<ALIGNED>(keys, lim, x, nan_low, r_lo, r_hi, [&](int p, u32 u) {
-        const u32 hi = u >> shift;
-        if (hi >= prefix) put(p, hi > prefix);
+        if (u >= l) put(p, u > r);
     });
 }
 
@@ -850,22 +941,37 @@ __device__ __forceinline__ void topk_cluster_row(const float* __restrict__ logit
     const u32 rank = (C == 1) ? 0u : cl_rank();
     const int tid = threadIdx.x;
     int* __restrict__ o = out + (i64)row * stride_o;
+    const float* __restrict__ x = logits + (i64)row * stride_r;
 
     // shared memory only: may overlap the previous kernel (programmatic dependent launch)
-    for (int i = tid; i < (C == 1 ? 1 : 2) * PASS_WORDS; i += THREADS) smem[i] = 0u;  // hist.., glob..
+    constexpr int words = C == 1 ? SOLO_WORDS : 2 * PASS_WORDS;  // hist.., glob..
+    for (int i = tid; i < words / 4; i += THREADS) reinterpret_cast<uint4*>(smem)[i] = make_uint4(0u, 0u, 0u, 0u);
     grid_dependency_wait();  // every global read and write comes after the previous kernel's
 
+    FirstKeys first;
+    if (C == 1) {  // the first sweep's loads beside the live length (the host width is readable)
+        const int spec = sel_width < cap ? sel_width : cap;
+#pragma unroll
+        for (int u = 0; u < CLUSTER_UNROLL; ++u) {
+            const int p = tid * 4 + u * THREADS * 4;
+            first.q[u] = p < spec ? chunk_bits4<ALIGNED>(x, p, spec) : make_uint4(0u, 0u, 0u, 0u);
+        }
+    }
     const int n = live_length(lens, lens64, active, active64, row, sel_width);
     if (n <= k) {  // cluster-uniform: no CTA reaches a cluster barrier
         for (int i = (int)rank * THREADS + tid; i < k; i += C * THREADS) o[i] = i < n ? i : -1;
         return;
     }
-    // a short row runs on rank 0 alone, as with one CTA per row (cuda_topk_emu.cluster_split)
-    if (C > 1 && n <= SOLO_MAX && n <= cap) {  // cluster-uniform; no barrier or remote access follows
-        if (rank == 0u) topk_cluster_body<1, THREADS, ALIGNED>(logits + (i64)row * stride_r, n, k, o, nan_low, cap, 0u);
+    if (C == 1) {
+        topk_cluster_body<1, THREADS, ALIGNED, true>(x, n, k, o, nan_low, cap, 0u, first);
         return;
     }
-    topk_cluster_body<C, THREADS, ALIGNED>(logits + (i64)row * stride_r, n, k, o, nan_low, cap, rank);
+    // a short row runs on rank 0 alone, as with one CTA per row (cuda_topk_emu.cluster_split)
+    if (n <= SOLO_MAX && n <= cap) {  // cluster-uniform; no barrier or remote access follows
+        if (rank == 0u) topk_cluster_body<1, THREADS, ALIGNED, false>(x, n, k, o, nan_low, cap, 0u, first);
+        return;
+    }
+    topk_cluster_body<C, THREADS, ALIGNED, false>(x, n, k, o, nan_low, cap, rank, first);
 }
 
 #define TOPK_CLUSTER_KERNEL(C, T, A)                                                               \

@@ -71,12 +71,18 @@ RANGE_PAD = 4
 """words after each thread's range of keys in a cluster-route CTA (``cuda_topk_emu.RANGE_PAD``)"""
 
 
+CLUSTER_PASS_WORDS = 2 * HIST_BINS + 1024
+"""the counts of a cluster CTA's three passes, local and totals alike (``PASS_WORDS`` in the source)"""
+SOLO_PASS_WORDS = 4096 + 2 * HIST_BINS
+"""the counts of a one-CTA row's passes: 4096 bins of pass A, two refine passes (``SOLO_WORDS``)"""
+
+
 def cluster_smem_bytes(cap: int, cluster: int, threads: int = 1024) -> int:
     """Dynamic shared memory of one cluster-route CTA of ``threads`` threads holding ``cap`` keys:
-    the local counts of the three passes, for ``cluster > 1`` the three pass totals, and the keys
-    with a pad after each thread's range."""
-    passes = 2 * HIST_BINS + 1024
-    return 4 * (passes + (0 if cluster == 1 else passes) + cap + RANGE_PAD * threads)
+    the counts of the passes (for ``cluster > 1`` local counts and the cluster's totals), and the
+    keys with a pad after each thread's range."""
+    passes = SOLO_PASS_WORDS if cluster == 1 else 2 * CLUSTER_PASS_WORDS
+    return 4 * (passes + cap + RANGE_PAD * threads)
 
 
 SOLO_MAX = 16384

@@ -152,40 +152,93 @@ def cluster_split(n: int, cluster: int, cap: int) -> list[tuple[int, int]]:
     return cluster_chunks(n, cluster)
 
 
+SOLO_TIE_MAX = 128
+"""the same for a row on one CTA (whose pass A has 4096 bins)"""
+SOLO_EXP_LO = 113
+"""the lowest biased exponent of ``solo_bin``'s window of 32 binary octaves: |x| from 2^-14 to 2^18"""
+
+
+def solo_bin(u: torch.Tensor) -> torch.Tensor:
+    """The one-CTA pass-A bin of order keys ``u`` (int64): 2048 bins per sign, 64 per binary
+    octave of |x| from 2^-14 to 2^18; each sign's first and last bins (the edges) also hold the
+    magnitudes below and above that window.
+    Non-decreasing in ``u``; bin b holds the keys ``solo_bin_keys(b)``."""
+    s = u >> 17
+    pos = s >= 0x4000
+    base = torch.where(pos, 0x4000 + SOLO_EXP_LO * 64, 0x3800 - SOLO_EXP_LO * 64)
+    return (s - base).clamp(0, 2047) + pos.long() * 2048
+
+
+def solo_bin_keys(b: int) -> tuple[int, int]:
+    """The order keys ``[lo, hi]`` of ``solo_bin``'s bin ``b``."""
+    pos, j = b >= 2048, b & 2047
+    base = 0x4000 + SOLO_EXP_LO * 64 if pos else 0x3800 - SOLO_EXP_LO * 64
+    s_lo = (0x4000 if pos else 0) if j == 0 else base + j
+    s_hi = (0x7FFF if pos else 0x3FFF) if j == 2047 else base + j
+    return s_lo << 17, (s_hi << 17) | 0x1FFFF
+
+
 @dataclass(frozen=True)
 class ClusterRowPlan:
-    """The cluster route's level for one row of more than k live keys."""
+    """The cluster route's level for one row of more than k live keys: the keys ``[lo, hi]`` of
+    the k-th key's bin (those above ``hi`` are selected)."""
 
-    prefix: int
-    bits: int
-    """resolved top bits: 11, 22 or 32"""
+    lo: int
+    hi: int
     need: int
     count: int
     """keys in the level's bin"""
     listed: bool
-    """the bin's keys are resolved from a list (at most ``TIE_MAX``, more than ``need``)"""
+    """the bin's keys are resolved from a list (at most ``TIE_MAX``, or ``SOLO_TIE_MAX`` on one
+    CTA, and more than ``need``)"""
+    passes: int
+    """refine passes after pass A"""
+
+    @property
+    def bits(self) -> int:
+        """the leading key bits the bin's keys share (32: one key value)"""
+        return 32 - (self.lo ^ self.hi).bit_length()
 
 
-def plan_cluster_row(u: torch.Tensor, k: int) -> ClusterRowPlan:
-    """``plan_row``'s passes, stopping at a bin of at most ``TIE_MAX`` keys."""
-    b, need, cnt = _find_bin(torch.bincount(u >> 21, minlength=2048), k)
-    prefix, bits = b, 11
-    for shift, width in PASSES[1:]:
-        if cnt == need or cnt <= TIE_MAX:
-            break
-        sel = u[(u >> (shift + width)) == prefix]
-        d, need, cnt = _find_bin(torch.bincount((sel >> shift) & ((1 << width) - 1), minlength=1 << width), need)
-        prefix, bits = (prefix << width) | d, bits + width
-    return ClusterRowPlan(prefix, bits, need, cnt, cnt != need and cnt <= TIE_MAX)
+def plan_cluster_row(u: torch.Tensor, k: int, *, solo: bool = False) -> ClusterRowPlan:
+    """The kernel's passes on the order keys ``u`` of a row on a cluster (pass A: 2048 bins of
+    ``u >> 21``) or on one CTA (``solo``: 4096 bins of ``solo_bin``); then passes of at most 11 of
+    the bits that vary in the bin's keys, until the bin is taken whole, holds at most the list's
+    size, or one key value."""
+    if solo:
+        b, need, cnt = _find_bin(torch.bincount(solo_bin(u), minlength=4096), k)
+        lo, hi = solo_bin_keys(b)
+    else:
+        b, need, cnt = _find_bin(torch.bincount(u >> 21, minlength=2048), k)
+        lo, hi = b << 21, (b << 21) | 0x1FFFFF
+    tie_max = SOLO_TIE_MAX if solo else TIE_MAX
+    passes = 0
+    while cnt != need and cnt > tie_max and lo != hi:
+        sh = (lo ^ hi).bit_length()
+        bits = min(11, sh)
+        dsh = sh - bits
+        sel = u[(u >= lo) & (u <= hi)]
+        d, need, cnt = _find_bin(torch.bincount((sel >> dsh) & ((1 << bits) - 1), minlength=1 << bits), need)
+        dlo = ((lo >> sh) << sh) | (d << dsh)
+        lo, hi = max(lo, dlo), min(hi, dlo | ((1 << dsh) - 1))
+        passes += 1
+    assert passes <= (3 if solo else 2)
+    return ClusterRowPlan(lo, hi, need, cnt, cnt != need and cnt <= tie_max, passes)
+
+
+def runs_solo(n: int, cluster: int, cap: int) -> bool:
+    """Whether the cluster route runs a row of ``n`` live keys on one CTA's code."""
+    return cluster == 1 or n <= min(SOLO_MAX, cap)
 
 
 def cluster_topk_row(x: torch.Tensor, k: int, cluster: int, *, threads: int = 1024,
                      nan_low: bool = True, cap: int = 1 << 30) -> torch.Tensor:
     """The cluster route's output row for the live scores ``x``, built the way the kernel builds
-    it: per-chunk histograms summed, passes until the k-th key's bin is taken whole, resolved, or
-    holds at most ``TIE_MAX`` keys; each thread counts the keys above the bin (A) and in it (T) in
-    its range; an exclusive scan over (CTA, thread) in position order gives the counts before it;
-    a listed bin's keys are ranked by (key, position) in one warp, and ``taken[j]`` says whether
+    it: per-chunk histograms summed (``plan_cluster_row``; one CTA's bins for a row that runs
+    solo), passes until the k-th key's bin is taken whole, resolved, or small enough to list; each
+    thread counts the keys above the bin (A) and in it (T) in its range; an exclusive scan over
+    (CTA, thread) in position order gives the counts before it; a listed bin's keys are ranked by
+    (key, position), and ``taken[j]`` says whether
     the bin's j-th key in position order is selected (else the first ``need`` are). A key of A or
     a taken key of T goes to ``ra + tb`` (A keys and taken T keys before it). Equal to
     ``topk_row`` (the specification)."""
@@ -196,12 +249,11 @@ def cluster_topk_row(x: torch.Tensor, k: int, cluster: int, *, threads: int = 10
     u = order_keys(x, nan_low)
     chunks = cluster_split(n, cluster, cap)
     assert sum(length for _, length in chunks) == n
-    hist = sum(torch.bincount(u[lo:lo + length] >> 21, minlength=2048) for lo, length in chunks)
-    assert torch.equal(hist, torch.bincount(u >> 21, minlength=2048))
-    plan = plan_cluster_row(u, k)
-    hi = u >> (32 - plan.bits)
-    above = (hi > plan.prefix).tolist()
-    tie = (hi == plan.prefix).tolist()
+    solo = runs_solo(n, cluster, cap)
+    assert chunks[0] == (0, n) or not solo
+    plan = plan_cluster_row(u, k, solo=solo)
+    above = (u > plan.hi).tolist()
+    tie = ((u >= plan.lo) & (u <= plan.hi)).tolist()
     tie_pos = [p for p in range(n) if tie[p]]
     if plan.listed:  # the one warp's ranking: key descending, then position ascending
         ranked = sorted(tie_pos, key=lambda p: (-int(u[p]), p))
