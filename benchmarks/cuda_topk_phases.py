@@ -92,14 +92,16 @@ def main() -> None:
         shape, _, wide = shape.partition("/")
         B, L = (int(p) for p in shape.split("x"))
         W = int(wide) if wide else L
-        functions = {stop: cuda_topk._check(driver.cuModuleGetFunction(
-            m, cuda_topk.cluster_kernel_name(C, True).encode()), "get") for stop, m in modules.items()}
+        plan = cuda_topk.plan_cluster(B, W, mod.sm_count, mod.smem_optin, cluster=C)
+        name = cuda_topk.cluster_kernel_name(C, True, plan.threads).encode()
+        functions = {stop: cuda_topk._check(driver.cuModuleGetFunction(m, name), "get")
+                     for stop, m in modules.items()}
         g = torch.Generator(device="cuda").manual_seed(B + L)
         xs = [torch.randn(B, W, device="cuda", generator=g) * a.std + a.mean for _ in range(4)]
         lens = torch.full((B,), L, dtype=torch.int32, device="cuda")
         out = torch.empty(B, K, dtype=torch.int32, device="cuda")
-        plan = cuda_topk.plan_cluster(B, W, mod.sm_count, mod.smem_optin, cluster=C)
-        res = {"C": C, "B": B, "L": L, "W": W, "cap": plan.cap, "mean": a.mean, "std": a.std}
+        res = {"C": C, "B": B, "L": L, "W": W, "cap": plan.cap, "threads": plan.threads, "mean": a.mean,
+               "std": a.std}
         for stop, fn in functions.items():
             cuda_topk._check(driver.cuFuncSetAttribute(fn, attr, plan.smem), "smem")
             res[NAMES[stop]] = time_cut(fake, fn, plan, C, xs, lens, out, a.ncalls)
@@ -110,7 +112,8 @@ def main() -> None:
             t = res[NAMES[stop]]
             parts.append(f"{NAMES[stop]} {t - prev:+.2f}")
             prev = t
-        print(f"C={C} B={B} L={L} W={W} cap={plan.cap} total {res['write']:.2f} us: " + ", ".join(parts),
+        print(f"C={C} B={B} L={L} W={W} cap={plan.cap} threads={plan.threads} "
+              f"total {res['write']:.2f} us: " + ", ".join(parts),
               flush=True)
     out_dir = os.environ.get("OUT")
     if out_dir:

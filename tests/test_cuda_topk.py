@@ -138,7 +138,8 @@ def test_one_cta_bins_partition_the_keys():
     assert torch.equal(emu.solo_bin(ends), torch.arange(4096).repeat_interleave(2))
     # the window: 64 bins per octave of |x| from 2^-14 to 2^18; its first and last bins per sign
     # (the edges) also hold the magnitudes below and above it
-    x = torch.tensor([1.0, 1.0 + 2**-6, 2.0**17, 2.0**18 * (1 - 2**-7), 2.0**-14 * (1 + 2**-6), 2.0**-14, 0.0])
+    x = torch.tensor([1.0, 1.0 + 2**-6, 2.0**17, 2.0**18 * (1 - 2**-7), 2.0**-14 * (1 + 2**-6), 2.0**-14,
+                      0.0])
     b = emu.solo_bin(emu.order_keys(x)).tolist()
     assert b[1] == b[0] + 1 and b[2] == 4095 - 63 and b[3] == 4095 and b[4] == 2049 and b[5] == b[6] == 2048
     assert emu.solo_bin(emu.order_keys(-x)).tolist() == [4095 - v for v in b]
@@ -157,7 +158,8 @@ def test_one_cta_bins_follow_the_key_order(keys):
 def _edge_row() -> torch.Tensor:
     """Zeros and 2^-14 (the positive edge bin, 2^-14 at its top) with 100 keys of the next bin
     mixed in: the first refine digit of the edge bin spans both."""
-    x = torch.cat([torch.full((200,), 2.0**-14), torch.full((100,), 2.0**-14 * (1 + 2**-6)), torch.zeros(300)])
+    x = torch.cat([torch.full((200,), 2.0**-14), torch.full((100,), 2.0**-14 * (1 + 2**-6)),
+                   torch.zeros(300)])
     return x[torch.randperm(600, generator=torch.Generator().manual_seed(0))]
 
 
@@ -205,7 +207,8 @@ def test_the_kernel_source_uses_the_emulation_constants():
         assert f"#define {name} {getattr(emu, name)} " in src, name
     assert (cuda_topk.RANGE_PAD, cuda_topk.SOLO_MAX) == (emu.RANGE_PAD, emu.SOLO_MAX)
     # the pass counts' layout the host sizes shared memory with
-    for name, words in [("PASS_WORDS", cuda_topk.CLUSTER_PASS_WORDS), ("SOLO_WORDS", cuda_topk.SOLO_PASS_WORDS)]:
+    layouts = [("PASS_WORDS", cuda_topk.CLUSTER_PASS_WORDS), ("SOLO_WORDS", cuda_topk.SOLO_PASS_WORDS)]
+    for name, words in layouts:
         expr = re.search(rf"#define {name} (\([0-9 +*]+\))", src)
         assert expr and eval(expr.group(1)) == words, name  # noqa: S307 (digits and + * only)
 

@@ -171,13 +171,14 @@ def test_listed_bins_rank_by_key_then_position(route):
     assert torch.equal(got, _launch(xd, lens, torch.empty_like(got)))
 
 
-@pytest.mark.parametrize("route,cap", [(1, None), (1, 1024), (8, None)])
-def test_one_cta_levels_write_the_emulated_row(route, cap):
+@pytest.mark.parametrize("route,cap,exact",
+                         [(1, None, False), (1, 1024, False), (8, None, False), (1, None, True)])
+def test_one_cta_levels_write_the_emulated_row(route, cap, exact):
     """The one-CTA code (the C = 1 kernel, which reads a row's first keys beside its live length,
     and a short row on a cluster's first CTA) on rows for each of its levels: a list after pass A,
     refine passes in an inner and an edge bin, one key value; live lengths below the host width
     whose tails would win if read; keys past a small ``cap`` from global memory. Element for
-    element against the emulation."""
+    element against the emulation. ``exact``: the host width is the live length."""
     from test_cuda_topk import _edge_row
 
     g = torch.Generator().manual_seed(3)
@@ -189,11 +190,12 @@ def test_one_cta_levels_write_the_emulated_row(route, cap):
         (_edge_row(), 150, 3),
         (torch.randn(16384, generator=g) * 19 + 8.5, K, None),
     ]
-    width = 131072  # a cluster's chunks of this bound hold a 16K row: it runs on the first CTA
     for live, k, passes in cases:
         plan = emu.plan_cluster_row(emu.order_keys(live), k, solo=True)
         assert passes is None or plan.passes == passes
         n = live.numel()
+        # a cluster's chunks of the 128K bound hold a 16K row: it runs on the first CTA
+        width = n if exact else 131072
         rows = torch.full((2, width), 1e30)  # a tail past the live length that would win
         rows[:, :n] = live
         rows[1, :n] = live.flip(0)

@@ -957,6 +957,11 @@ __device__ __forceinline__ void topk_cluster_row(const float* __restrict__ logit
             first.q[u] = p < spec ? chunk_bits4<ALIGNED>(x, p, spec) : make_uint4(0u, 0u, 0u, 0u);
         }
     }
+    if (C > 1 && rank == 0u) {  // rank 0's chunk starts the row: its first lines into L1, beside the length
+        int spec = sel_width < cap ? sel_width : cap;
+        spec = spec < SOLO_MAX ? spec : SOLO_MAX;
+        for (int p = tid * 32; p < spec; p += THREADS * 32) asm volatile("prefetch.global.L1 [%0];" ::"l"(x + p));
+    }
     const int n = live_length(lens, lens64, active, active64, row, sel_width);
     if (n <= k) {  // cluster-uniform: no CTA reaches a cluster barrier
         for (int i = (int)rank * THREADS + tid; i < k; i += C * THREADS) o[i] = i < n ? i : -1;
