@@ -486,7 +486,10 @@ DCP_MERGE_KERNEL(16)
 //            barrier every CTA holds the same totals and resolves the same prefix, need and early
 //            exit. Each pass has its own target histogram, cleared before a split barrier at the
 //            start, so no pass clears memory another CTA may still write. Passes stop once the
-//            k-th key's bin is taken whole or holds at most TIE_MAX keys.
+//            k-th key's bin is taken whole or holds at most TIE_MAX keys. A row on one CTA
+//            (C = 1, or a short row) takes 4096 bins of solo_bin (64 per octave of |x|) in pass A
+//            and lists bins of at most SOLO_TIE_MAX keys; every refine pass takes the next (at
+//            most 11) bits in which the keys of the bin [klo, khi] vary.
 //   collect  thread t owns the chunk positions [t * per, t * per + per) (per: a multiple of 8),
 //            kept in shared memory with RANGE_PAD words after each range so that the threads'
 //            16-byte reads hit distinct banks; each thread counts (and marks in bit masks) the
@@ -498,7 +501,8 @@ DCP_MERGE_KERNEL(16)
 //            No remote access follows the exchange's barrier.
 //
 // Dynamic shared memory (words): the local counts of the three passes hist[2048], hist1[2048],
-// hist2[1024] (all cleared at the start); for C > 1 the targets glob0[2048], glob1[2048],
+// hist2[1024] (all cleared at the start; one CTA: hist[4096], hist1[2048], hist2[2048], and a
+// third refine pass reuses hist); for C > 1 the targets glob0[2048], glob1[2048],
 // glob2[1024]; then the keys: cap of them, cap a multiple of 4, with RANGE_PAD words after each
 // thread's range (cap + RANGE_PAD * THREADS words). Nothing global beyond the output: a launch
 // replays in a CUDA graph as is.
