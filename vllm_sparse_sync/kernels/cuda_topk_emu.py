@@ -255,7 +255,7 @@ def cluster_topk_row(x: torch.Tensor, k: int, cluster: int, *, threads: int = 10
     above = (u > plan.hi).tolist()
     tie = ((u >= plan.lo) & (u <= plan.hi)).tolist()
     tie_pos = [p for p in range(n) if tie[p]]
-    if plan.listed:  # the one warp's ranking: key descending, then position ascending
+    if plan.listed:  # the ranking: key descending, then position ascending
         ranked = sorted(tie_pos, key=lambda p: (-int(u[p]), p))
         chosen = set(ranked[: plan.need])
         taken = [p in chosen for p in tie_pos]
