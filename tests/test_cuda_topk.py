@@ -124,6 +124,8 @@ def test_cluster_levels_list_small_bins():
     assert emu.cluster_split(5000, 8, 8192) == [(0, 5000)] + [(5000, 0)] * 7
     assert emu.cluster_split(16384, 2, 43520) == [(0, 16384), (16384, 0)]
     assert emu.cluster_split(5000, 8, 4096) == emu.cluster_chunks(5000, 8)
+    assert emu.cluster_split(4096, 8, 1024) == [(0, 4096)] + [(4096, 0)] * 7  # short: first CTA, any cap
+    assert [emu.row_threads(n, t) for n, t in [(4096, 1024), (4097, 1024), (100, 512)]] == [512, 1024, 512]
     assert emu.cluster_split(16385, 8, 16384) == emu.cluster_chunks(16385, 8)
 
 
@@ -203,7 +205,7 @@ def test_thread_ranges_fit_the_padded_shared_layout(length, threads):
 
 def test_the_kernel_source_uses_the_emulation_constants():
     src = cuda_topk.source()
-    for name in ("RANGE_PAD", "SOLO_MAX", "TIE_MAX", "SOLO_TIE_MAX", "SOLO_EXP_LO"):
+    for name in ("RANGE_PAD", "SOLO_MAX", "TIE_MAX", "SOLO_TIE_MAX", "SOLO_EXP_LO", "SHORT_ROW_MAX"):
         assert f"#define {name} {getattr(emu, name)} " in src, name
     assert (cuda_topk.RANGE_PAD, cuda_topk.SOLO_MAX) == (emu.RANGE_PAD, emu.SOLO_MAX)
     # the pass counts' layout the host sizes shared memory with

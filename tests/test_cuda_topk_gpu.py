@@ -178,7 +178,8 @@ def test_one_cta_levels_write_the_emulated_row(route, cap, exact):
     and a short row on a cluster's first CTA) on rows for each of its levels: a list after pass A,
     refine passes in an inner and an edge bin, one key value; live lengths below the host width
     whose tails would win if read; keys past a small ``cap`` from global memory. Element for
-    element against the emulation. ``exact``: the host width is the live length."""
+    element against the emulation. ``exact``: the host width is the live length. Rows of at
+    most 4096 keys run on the first 512 threads of a 1024-thread CTA on either bound."""
     from test_cuda_topk import _edge_row
 
     g = torch.Generator().manual_seed(3)

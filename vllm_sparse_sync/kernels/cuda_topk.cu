@@ -70,6 +70,17 @@ __device__ __forceinline__ void load_keys(const float* __restrict__ x, int n, in
     }
 }
 
+// a barrier of the CTA's first THREADS threads: __syncthreads when BAR == 0, else the named
+// barrier BAR for THREADS threads (a part of the CTA whose other warps have left)
+template <int THREADS, int BAR>
+__device__ __forceinline__ void block_bar() {
+    if (BAR == 0) {
+        __syncthreads();
+    } else {
+        asm volatile("bar.sync %0, %1;" ::"n"(BAR), "n"(THREADS) : "memory");
+    }
+}
+
 __device__ __forceinline__ u32 warp_incl_scan(u32 v, int lane) {
 #pragma unroll
     for (int o = 1; o < 32; o <<= 1) {
@@ -103,7 +114,7 @@ __device__ __forceinline__ u32 warps_excl_scan(u32 warp_total, u32* s_warp, u32&
 // s_res = {bin, need left inside the bin, the bin's count}. Requires total >= need >= 1 and
 // nbins a power of two (any, against THREADS). Two barriers (every warp scans the warps' totals
 // itself); ends with a barrier after s_res is written. s_warp holds THREADS / 32 words.
-template <int THREADS>
+template <int THREADS, int BAR = 0>
 __device__ __forceinline__ void find_bin(const u32* hist, int nbins, u32 need, u32* s_warp,
                                          u32* s_res) {
     constexpr int WARPS = THREADS / 32;
@@ -115,7 +126,7 @@ __device__ __forceinline__ void find_bin(const u32* hist, int nbins, u32 need, u
     const u32 incl = warp_incl_scan(local, lane);
     __syncwarp();  // every lane of this warp has read s_warp in an earlier call
     if (lane == 31) s_warp[warp] = incl;
-    __syncthreads();
+    block_bar<THREADS, BAR>();
     const u32 t = lane < WARPS ? s_warp[lane] : 0u;
     const u32 warp_base = __shfl_sync(FULL_MASK, warp_incl_scan(t, lane) - t, warp);
     const u32 excl = warp_base + incl - local;
@@ -132,7 +143,7 @@ __device__ __forceinline__ void find_bin(const u32* hist, int nbins, u32 need, u
             cum += h;
         }
     }
-    __syncthreads();
+    block_bar<THREADS, BAR>();
 }
 
 template <int THREADS, int VEC, bool ALIGNED>
@@ -625,7 +636,7 @@ __device__ __forceinline__ void range_sweep(const u32* keys, int lim, const floa
 
 // exclusive prefixes of two per-thread counts over the block in thread order, and their totals;
 // one barrier; every thread calls it once (s_scan: 2 * WARPS words of its own)
-template <int THREADS>
+template <int THREADS, int BAR = 0>
 __device__ __forceinline__ void block_excl_scan2(u32& a, u32& b, u32* s_scan, u32& ta, u32& tb) {
     constexpr int WARPS = THREADS / 32;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -634,7 +645,7 @@ __device__ __forceinline__ void block_excl_scan2(u32& a, u32& b, u32* s_scan, u3
         s_scan[warp] = ia;
         s_scan[WARPS + warp] = ib;
     }
-    __syncthreads();
+    block_bar<THREADS, BAR>();
     const u32 wa = lane < WARPS ? s_scan[lane] : 0u, wb = lane < WARPS ? s_scan[WARPS + lane] : 0u;
     const u32 sa = warp_incl_scan(wa, lane), sb = warp_incl_scan(wb, lane);
     ta = __shfl_sync(FULL_MASK, sa, 31);
@@ -645,6 +656,7 @@ __device__ __forceinline__ void block_excl_scan2(u32& a, u32& b, u32* s_scan, u3
 }
 
 #define SOLO_MAX 16384  // cuda_topk_emu.SOLO_MAX
+#define SHORT_ROW_MAX 4096  // cuda_topk_emu.SHORT_ROW_MAX
 #define TIE_MAX 32  // cuda_topk_emu.TIE_MAX
 #define SOLO_TIE_MAX 128  // cuda_topk_emu.SOLO_TIE_MAX
 #define SOLO_EXP_LO 113  // cuda_topk_emu.SOLO_EXP_LO
@@ -685,28 +697,37 @@ struct FirstKeys {
     uint4 q[CLUSTER_UNROLL];
 };
 
+// the static shared words of a cluster-route row, declared once per kernel (its bodies share them)
+struct BodyScratch {
+    u32 warp[1024 / 32 + 1];
+    u32 scan[2 * (1024 / 32)];
+    u32 res[3];
+    u32 cnt[2 * 8];
+    u32 tn;
+};
+
 // one row (`logits` at its first score) of n > k live keys, on this CTA (`rank` of C) of a
 // cluster whose dynamic shared memory is cleared (hist..hist2, and glob0..glob2 for C > 1);
 // C == 1 also serves a short row on rank 0 of a larger cluster (whose allocation is larger).
 // PRE: `first` holds the raw bits of the thread's first-sweep groups below min(n, cap) (C == 1).
-template <int C, int THREADS, bool ALIGNED, bool PRE>
+template <int C, int THREADS, bool ALIGNED, bool PRE, int BAR>
 __device__ __forceinline__ void topk_cluster_body(const float* __restrict__ logits, int n, int k,
                                                   int* __restrict__ o, int nan_low, int cap, u32 rank,
-                                                  const FirstKeys& first) {
-    constexpr int WARPS = THREADS / 32;
+                                                  const FirstKeys& first, BodyScratch& sc) {
     constexpr bool multi = C > 1;
     constexpr int BINS_A = multi ? 2048 : 4096;  // pass A: u >> 21, or solo_bin (one CTA)
     constexpr int TIE = multi ? TIE_MAX : SOLO_TIE_MAX;  // the largest bin resolved from a list
     constexpr int UNROLL = CLUSTER_UNROLL;
     static_assert(1024 % THREADS == 0 && THREADS % TIE == 0 && THREADS / TIE <= 32, "threads");
     static_assert(C >= 1 && C <= 8, "cluster size");
+    static_assert(BAR == 0 || C == 1, "a part of a CTA runs a one-CTA row only");
 
     extern __shared__ __align__(16) u32 smem[];
-    __shared__ u32 s_warp[WARPS + 1];
-    __shared__ u32 s_scan[2 * WARPS];
-    __shared__ u32 s_res[3];
-    __shared__ u32 s_cnt[2 * C];  // (above, tie) counts of each lower rank
-    __shared__ u32 s_tn;  // the listed bin's keys so far (rank 0's counts for the cluster)
+    u32* s_warp = sc.warp;
+    u32* s_scan = sc.scan;
+    u32* s_res = sc.res;
+    u32* s_cnt = sc.cnt;  // (above, tie) counts of each lower rank
+    u32& s_tn = sc.tn;  // the listed bin's keys so far (rank 0's counts for the cluster)
     u32* hist = smem;  // this CTA's counts of pass A, then of the refine passes
     u32* hist1 = hist + BINS_A;
     u32* hist2 = hist1 + 2048;
@@ -736,7 +757,7 @@ __device__ __forceinline__ void topk_cluster_body(const float* __restrict__ logi
     const int r_hi = r_lo + per < len ? r_lo + per : len;
 
     if (multi) cl_arrive();  // after the clears; waited for before the first remote add
-    __syncthreads();  // cleared before the first add
+    block_bar<THREADS, BAR>();  // cleared before the first add
 
     // load + pass A in one sweep
     for (int i0 = tid * 4, it = 0; i0 < lim; i0 += THREADS * 4 * UNROLL, ++it) {
@@ -768,14 +789,14 @@ __device__ __forceinline__ void topk_cluster_body(const float* __restrict__ logi
         const u32 u = order_key(__ldg(x + i), nan_low);
         atomicAdd(&hist[multi ? u >> 21 : solo_bin(u)], 1u);
     }
-    __syncthreads();
+    block_bar<THREADS, BAR>();
     const u32* totals = hist;
     if (multi) {
         cl_wait();
         cl_push_hist<C, THREADS>(hist, glob0, BINS_A);
         totals = glob0;
     }
-    find_bin<THREADS>(totals, BINS_A, (u32)k, s_warp, s_res);
+    find_bin<THREADS, BAR>(totals, BINS_A, (u32)k, s_warp, s_res);
     // the keys [klo, khi] of the k-th key's bin hold the threshold: those above khi are taken
     u32 klo, khi;
     if (multi) {
@@ -798,19 +819,19 @@ __device__ __forceinline__ void topk_cluster_body(const float* __restrict__ logi
         u32* h = pass == 1 ? hist1 : (pass == 2 ? hist2 : hist);  // cleared at the start but hist
         if (pass == 3) {  // one CTA only (a cluster's pass A leaves 21 bits: two passes)
             for (int i = tid; i < nbins; i += THREADS) h[i] = 0u;
-            __syncthreads();
+            block_bar<THREADS, BAR>();
         }
         range_sweep<ALIGNED>(keys, lim, x, nan_low, r_lo, r_hi, [&](int, u32 u) {
             if (u >= l && u <= r) atomicAdd(&h[(u >> dsh) & mask], 1u);
         });
-        __syncthreads();
+        block_bar<THREADS, BAR>();
         totals = h;
         if (multi) {
             u32* glob = pass == 1 ? glob1 : glob2;
             cl_push_hist<C, THREADS>(h, glob, nbins);
             totals = glob;
         }
-        find_bin<THREADS>(totals, nbins, need, s_warp, s_res);
+        find_bin<THREADS, BAR>(totals, nbins, need, s_warp, s_res);
         const u32 base = sh >= 32 ? 0u : (klo >> sh) << sh;
         const u32 dlo = base | (s_res[0] << dsh), dhi = dlo | ((1u << dsh) - 1u);
         klo = klo > dlo ? klo : dlo;
@@ -849,7 +870,7 @@ __device__ __forceinline__ void topk_cluster_body(const float* __restrict__ logi
     }
     const bool any = ra + rt != 0u;
     u32 ta, tt;
-    block_excl_scan2<THREADS>(ra, rt, s_scan, ta, tt);  // its barrier orders the local list
+    block_excl_scan2<THREADS, BAR>(ra, rt, s_scan, ta, tt);  // its barrier orders the local list
     if (multi) {  // this CTA's totals into the higher ranks' slots
         if (tid > (int)rank && tid < C) {
             cl_store(&s_cnt[2 * rank], (u32)tid, ta);
@@ -872,7 +893,7 @@ __device__ __forceinline__ void topk_cluster_body(const float* __restrict__ logi
                     ++slot;
                 });
             }
-            __syncthreads();
+            block_bar<THREADS, BAR>();
         }
         // G threads per listed key count the keys ranked before it by (key descending, position
         // ascending) and the positions before it (positions are unique)
@@ -893,7 +914,7 @@ __device__ __forceinline__ void topk_cluster_body(const float* __restrict__ logi
             prank += __shfl_xor_sync(FULL_MASK, prank, d);
         }
         if (c < m && tid % G == 0) s_taken[prank] = vrank < need ? 1u : 0u;
-        __syncthreads();
+        block_bar<THREADS, BAR>();
         if (warp == 0) {  // s_before[j]: the selected keys among the first j in position order
             u32 run = 0;
             for (int g = 0; g < TIE; g += 32) {
@@ -903,7 +924,7 @@ __device__ __forceinline__ void topk_cluster_body(const float* __restrict__ logi
             }
             if (lane == 0) s_before[TIE] = run;
         }
-        __syncthreads();
+        block_bar<THREADS, BAR>();
     }
     if (!any) return;
     u32 tb = listed ? s_before[rt < (u32)TIE ? rt : (u32)TIE] : (rt < need ? rt : need);  // taken T before
@@ -952,6 +973,7 @@ __device__ __forceinline__ void topk_cluster_row(const float* __restrict__ logit
     for (int i = tid; i < words / 4; i += THREADS) reinterpret_cast<uint4*>(smem)[i] = make_uint4(0u, 0u, 0u, 0u);
     grid_dependency_wait();  // every global read and write comes after the previous kernel's
 
+    __shared__ BodyScratch sc;
     FirstKeys first;
     if (C == 1) {  // the first sweep's loads beside the live length (the host width is readable)
         const int spec = sel_width < cap ? sel_width : cap;
@@ -971,16 +993,24 @@ __device__ __forceinline__ void topk_cluster_row(const float* __restrict__ logit
         for (int i = (int)rank * THREADS + tid; i < k; i += C * THREADS) o[i] = i < n ? i : -1;
         return;
     }
+    // a row of at most SHORT_ROW_MAX keys runs on the first 512 threads of rank 0
+    // (cuda_topk_emu.row_threads), whatever the bound: the other warps leave once the clears are
+    // ordered before the first adds
+    if (THREADS > 512 && n <= SHORT_ROW_MAX) {  // cluster-uniform; no cluster barrier follows
+        __syncthreads();
+        if (rank == 0u && tid < 512) topk_cluster_body<1, 512, ALIGNED, false, 1>(x, n, k, o, nan_low, cap, 0u, first, sc);
+        return;
+    }
     if (C == 1) {
-        topk_cluster_body<1, THREADS, ALIGNED, true>(x, n, k, o, nan_low, cap, 0u, first);
+        topk_cluster_body<1, THREADS, ALIGNED, true, 0>(x, n, k, o, nan_low, cap, 0u, first, sc);
         return;
     }
     // a short row runs on rank 0 alone, as with one CTA per row (cuda_topk_emu.cluster_split)
     if (n <= SOLO_MAX && n <= cap) {  // cluster-uniform; no barrier or remote access follows
-        if (rank == 0u) topk_cluster_body<1, THREADS, ALIGNED, false>(x, n, k, o, nan_low, cap, 0u, first);
+        if (rank == 0u) topk_cluster_body<1, THREADS, ALIGNED, false, 0>(x, n, k, o, nan_low, cap, 0u, first, sc);
         return;
     }
-    topk_cluster_body<C, THREADS, ALIGNED, false>(x, n, k, o, nan_low, cap, rank, first);
+    topk_cluster_body<C, THREADS, ALIGNED, false, 0>(x, n, k, o, nan_low, cap, rank, first, sc);
 }
 
 #define TOPK_CLUSTER_KERNEL(C, T, A)                                                               \

@@ -138,16 +138,31 @@ def range_slot(p: int, per: int) -> int:
     return p + RANGE_PAD * (p // per)
 
 
+def runs_solo(n: int, cluster: int, cap: int) -> bool:
+    """Whether the cluster route runs a row of ``n`` live keys on one CTA's code."""
+    return cluster == 1 or n <= SHORT_ROW_MAX or n <= min(SOLO_MAX, cap)
+
+
 SOLO_MAX = 16384
 """rows of at most this many live keys (that fit one CTA's keys) run on the cluster's first CTA alone"""
 TIE_MAX = 32
 """a level whose bin holds at most this many keys (more than needed) is resolved from a list"""
 
 
+SHORT_ROW_MAX = 4096
+"""a row of at most this many live keys runs on the first 512 threads of the first CTA"""
+
+
+def row_threads(n: int, threads: int) -> int:
+    """The threads that run a row of ``n`` live keys in a launch of ``threads`` per CTA."""
+    return 512 if threads > 512 and n <= SHORT_ROW_MAX else threads
+
+
 def cluster_split(n: int, cluster: int, cap: int) -> list[tuple[int, int]]:
     """The cluster route's chunks of a row of ``n`` live keys: one chunk on the first CTA when
-    the row is short (``n <= SOLO_MAX`` and ``n <= cap``), else ``cluster_chunks``."""
-    if cluster > 1 and n <= min(SOLO_MAX, cap):
+    the row is short (``n <= SHORT_ROW_MAX``, or ``n <= SOLO_MAX`` and ``n <= cap``), else
+    ``cluster_chunks``."""
+    if cluster > 1 and runs_solo(n, cluster, cap):
         return [(0, n)] + [(n, 0)] * (cluster - 1)
     return cluster_chunks(n, cluster)
 
@@ -226,11 +241,6 @@ def plan_cluster_row(u: torch.Tensor, k: int, *, solo: bool = False) -> ClusterR
     return ClusterRowPlan(lo, hi, need, cnt, cnt != need and cnt <= tie_max, passes)
 
 
-def runs_solo(n: int, cluster: int, cap: int) -> bool:
-    """Whether the cluster route runs a row of ``n`` live keys on one CTA's code."""
-    return cluster == 1 or n <= min(SOLO_MAX, cap)
-
-
 def cluster_topk_row(x: torch.Tensor, k: int, cluster: int, *, threads: int = 1024,
                      nan_low: bool = True, cap: int = 1 << 30) -> torch.Tensor:
     """The cluster route's output row for the live scores ``x``, built the way the kernel builds
@@ -251,6 +261,7 @@ def cluster_topk_row(x: torch.Tensor, k: int, cluster: int, *, threads: int = 10
     assert sum(length for _, length in chunks) == n
     solo = runs_solo(n, cluster, cap)
     assert chunks[0] == (0, n) or not solo
+    threads = row_threads(n, threads)
     plan = plan_cluster_row(u, k, solo=solo)
     above = (u > plan.hi).tolist()
     tie = ((u >= plan.lo) & (u <= plan.hi)).tolist()
