@@ -487,7 +487,8 @@ DCP_MERGE_KERNEL(16)
 //   split    the live prefix n is cut on the device into C chunks of `chunk` = ceil(n / C)
 //            rounded up to 4 positions; CTA r (its cluster rank) owns positions
 //            [r * chunk, min(n, (r + 1) * chunk)). A row of at most SOLO_MAX live keys that fits
-//            one CTA's keys runs on rank 0 alone, as the C = 1 kernel (the others leave at once).
+//            one CTA's keys runs on rank 0 alone, as the C = 1 kernel (the others leave at once);
+//            one of at most SHORT_ROW_MAX keys on the first 512 threads of rank 0 (any C).
 //            The first `cap` keys of the chunk are read once into shared memory; the rest (a
 //            chunk longer than the host sized for) are read from global memory again on each
 //            sweep: exact whatever the length, fast up to `cap`.
