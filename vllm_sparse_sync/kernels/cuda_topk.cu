@@ -711,6 +711,8 @@ struct BodyScratch {
 // cluster whose dynamic shared memory is cleared (hist..hist2, and glob0..glob2 for C > 1);
 // C == 1 also serves a short row on rank 0 of a larger cluster (whose allocation is larger).
 // PRE: `first` holds the raw bits of the thread's first-sweep groups below min(n, cap) (C == 1).
+// BAR: 0 (the whole CTA runs the row), or the named barrier of the THREADS threads that run it
+// while the CTA's other warps have left (C == 1 only).
 template <int C, int THREADS, bool ALIGNED, bool PRE, int BAR>
 __device__ __forceinline__ void topk_cluster_body(const float* __restrict__ logits, int n, int k,
                                                   int* __restrict__ o, int nan_low, int cap, u32 rank,
