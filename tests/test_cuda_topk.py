@@ -203,6 +203,17 @@ def test_thread_ranges_fit_the_padded_shared_layout(length, threads):
             assert len(groups) == 8
 
 
+def test_the_cluster_launch_refuses_logits_narrower_than_the_host_width():
+    """The cluster kernel may read a row's first ``sel_width`` scores before it knows the live
+    length: narrower logits are refused before anything is compiled or launched."""
+    x = torch.zeros(2, 100)
+    lens = torch.tensor([50, 50], dtype=torch.int32)
+    out = torch.empty(2, 8, dtype=torch.int32)
+    for bad, width in [(x, 101), (x.flatten(), 100)]:
+        with pytest.raises(ValueError, match=r"at least sel_width=\d+ columns.*got shape"):
+            cuda_topk.launch_cuda_topk_cluster(bad, 100, lens, None, out, 8, width)
+
+
 def test_the_kernel_source_uses_the_emulation_constants():
     src = cuda_topk.source()
     for name in ("RANGE_PAD", "SOLO_MAX", "TIE_MAX", "SOLO_TIE_MAX", "SOLO_EXP_LO", "SHORT_ROW_MAX"):

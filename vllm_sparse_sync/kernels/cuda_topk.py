@@ -404,10 +404,16 @@ def launch_cuda_topk_cluster(
     step); the kernel reads nothing global before that kernel has completed. Returns the plan
     launched.
 
+    ``x`` must hold at least ``sel_width`` columns: the kernel may read any of them before it
+    knows a row's live length (a ``ValueError`` names the shape otherwise).
+
     Raises ``ValueError`` where the route cannot take the call (before sm_90, more than 65535
     rows): callers fall back to ``launch_cuda_topk``.
     """
     rows = out.shape[0]
+    if x.dim() != 2 or x.shape[1] < sel_width:
+        raise ValueError(f"cuda top-k: logits must be 2-D with at least sel_width={sel_width} columns "
+                         f"(the cluster route may read them all), got shape {tuple(x.shape)}")
     mod = module_for(_check_launch_args(x, row_lens, active, out, k, sel_width))
     if not mod.cluster_ok:
         raise ValueError(

@@ -138,6 +138,10 @@ def range_slot(p: int, per: int) -> int:
     return p + RANGE_PAD * (p // per)
 
 
+SHORT_ROW_MAX = 4096
+"""a row of at most this many live keys runs on the first 512 threads of the first CTA"""
+
+
 def runs_solo(n: int, cluster: int, cap: int) -> bool:
     """Whether the cluster route runs a row of ``n`` live keys on one CTA's code."""
     return cluster == 1 or n <= SHORT_ROW_MAX or n <= min(SOLO_MAX, cap)
@@ -147,10 +151,6 @@ SOLO_MAX = 16384
 """rows of at most this many live keys (that fit one CTA's keys) run on the cluster's first CTA alone"""
 TIE_MAX = 32
 """a level whose bin holds at most this many keys (more than needed) is resolved from a list"""
-
-
-SHORT_ROW_MAX = 4096
-"""a row of at most this many live keys runs on the first 512 threads of the first CTA"""
 
 
 def row_threads(n: int, threads: int) -> int:
