@@ -171,6 +171,22 @@ def test_listed_bins_rank_by_key_then_position(route):
     assert torch.equal(got, _launch(xd, lens, torch.empty_like(got)))
 
 
+@pytest.mark.parametrize("route", [1, 8])
+@pytest.mark.parametrize("width", [12000, 131072])
+def test_listed_bins_in_registers_rank_by_key_then_position(route, width):
+    """A row held in registers (at most 16384 keys) gathers a listed bin's keys unordered and
+    closes the selection at the last key it ranks in: equal keys and neighbouring positions,
+    on the exact bound and under a wide one whose tail would win if read."""
+    x = _listed_rows(12000)
+    plans = [emu.plan_cluster_row(emu.order_keys(r), K, solo=True) for r in x]
+    assert [(p.listed, p.count, p.need) for p in plans] == [(True, 4, 2), (True, 8, 4)]
+    rows = torch.full((2, width), 1e30)
+    rows[:, :12000] = x
+    lens = torch.full((2,), 12000, dtype=torch.int32)
+    got = _launch(rows.to(DEV), lens.to(DEV), torch.empty(2, K, dtype=torch.int32, device=DEV), route=route)
+    assert torch.equal(got.cpu(), emu.topk_indices(rows, lens, K))
+
+
 @pytest.mark.parametrize("route,cap,exact",
                          [(1, None, False), (1, 1024, False), (8, None, False), (1, None, True)])
 def test_one_cta_levels_write_the_emulated_row(route, cap, exact):
@@ -178,8 +194,8 @@ def test_one_cta_levels_write_the_emulated_row(route, cap, exact):
     and a short row on a cluster's first CTA) on rows for each of its levels: a list after pass A,
     refine passes in an inner and an edge bin, one key value; live lengths below the host width
     whose tails would win if read; keys past a small ``cap`` from global memory. Element for
-    element against the emulation. ``exact``: the host width is the live length. Rows of at
-    most 4096 keys run on the first 512 threads of a 1024-thread CTA on either bound."""
+    element against the emulation. ``exact``: the host width is the live length. These rows (at
+    most 16384 keys) run from registers on either bound; ``cap`` does not apply to them."""
     from test_cuda_topk import _edge_row
 
     g = torch.Generator().manual_seed(3)

@@ -122,7 +122,14 @@ __device__ __forceinline__ void find_bin(const u32* hist, int nbins, u32 need, u
     const int per = nbins > THREADS ? nbins / THREADS : (tid < nbins ? 1 : 0);
     const int hi = nbins - 1 - tid * per;  // this thread's bins: hi, hi-1, ..., hi-per+1
     u32 local = 0;
-    for (int i = 0; i < per; ++i) local += hist[hi - i];
+    if (per % 4 == 0) {  // the thread's bins [hi - per + 1, hi] start at a multiple of 4
+        for (int i = hi - per + 1; i <= hi; i += 4) {
+            const uint4 q = *reinterpret_cast<const uint4*>(hist + i);
+            local += (q.x + q.y) + (q.z + q.w);
+        }
+    } else {
+        for (int i = 0; i < per; ++i) local += hist[hi - i];
+    }
     const u32 incl = warp_incl_scan(local, lane);
     __syncwarp();  // every lane of this warp has read s_warp in an earlier call
     if (lane == 31) s_warp[warp] = incl;
@@ -488,7 +495,9 @@ DCP_MERGE_KERNEL(16)
 //            rounded up to 4 positions; CTA r (its cluster rank) owns positions
 //            [r * chunk, min(n, (r + 1) * chunk)). A row of at most SOLO_MAX live keys that fits
 //            one CTA's keys runs on rank 0 alone, as the C = 1 kernel (the others leave at once);
-//            one of at most SHORT_ROW_MAX keys on the first 512 threads of rank 0 (any C).
+//            one of at most 4 * CLUSTER_UNROLL * THREADS keys runs from registers on rank 0
+//            (any C, any cap): every thread of the C = 1 kernel and of rank 0 loads its first
+//            CLUSTER_UNROLL 16-byte groups beside the live length (topk_reg_body).
 //            The first `cap` keys of the chunk are read once into shared memory; the rest (a
 //            chunk longer than the host sized for) are read from global memory again on each
 //            sweep: exact whatever the length, fast up to `cap`.
@@ -657,12 +666,14 @@ __device__ __forceinline__ void block_excl_scan2(u32& a, u32& b, u32* s_scan, u3
 }
 
 #define SOLO_MAX 16384  // cuda_topk_emu.SOLO_MAX
-#define SHORT_ROW_MAX 4096  // cuda_topk_emu.SHORT_ROW_MAX
 #define TIE_MAX 32  // cuda_topk_emu.TIE_MAX
 #define SOLO_TIE_MAX 128  // cuda_topk_emu.SOLO_TIE_MAX
 #define SOLO_EXP_LO 113  // cuda_topk_emu.SOLO_EXP_LO
 #define SOLO_WORDS (4096 + 2 * 2048)  // a one-CTA row's counts: hist[4096], hist1[2048], hist2[2048]
 #define CLUSTER_UNROLL 4  // 16-byte loads in flight per thread in the first sweep
+#ifndef SHORT_ACT
+#define SHORT_ACT 512  // the threads that run a row of at most 4 * CLUSTER_UNROLL * SHORT_ACT keys
+#endif
 
 // The one-CTA pass-A bin of key u (cuda_topk_emu.solo_bin): 2048 bins per sign, 64 per binary
 // octave of |x| from 2^(SOLO_EXP_LO - 127) to 2^(SOLO_EXP_LO - 95); each sign's first and last
@@ -701,8 +712,9 @@ struct FirstKeys {
 // the static shared words of a cluster-route row, declared once per kernel (its bodies share them)
 struct BodyScratch {
     u32 warp[1024 / 32 + 1];
-    u32 scan[2 * (1024 / 32)];
+    u32 scan[CLUSTER_UNROLL * (1024 / 32)];
     u32 res[3];
+    u32 sel[2];
     u32 cnt[2 * 8];
     u32 tn;
 };
@@ -711,9 +723,7 @@ struct BodyScratch {
 // cluster whose dynamic shared memory is cleared (hist..hist2, and glob0..glob2 for C > 1);
 // C == 1 also serves a short row on rank 0 of a larger cluster (whose allocation is larger).
 // PRE: `first` holds the raw bits of the thread's first-sweep groups below min(n, cap) (C == 1).
-// BAR: 0 (the whole CTA runs the row), or the named barrier of the THREADS threads that run it
-// while the CTA's other warps have left (C == 1 only).
-template <int C, int THREADS, bool ALIGNED, bool PRE, int BAR>
+template <int C, int THREADS, bool ALIGNED, bool PRE>
 __device__ __forceinline__ void topk_cluster_body(const float* __restrict__ logits, int n, int k,
                                                   int* __restrict__ o, int nan_low, int cap, u32 rank,
                                                   const FirstKeys& first, BodyScratch& sc) {
@@ -723,7 +733,6 @@ __device__ __forceinline__ void topk_cluster_body(const float* __restrict__ logi
     constexpr int UNROLL = CLUSTER_UNROLL;
     static_assert(1024 % THREADS == 0 && THREADS % TIE == 0 && THREADS / TIE <= 32, "threads");
     static_assert(C >= 1 && C <= 8, "cluster size");
-    static_assert(BAR == 0 || C == 1, "a part of a CTA runs a one-CTA row only");
 
     extern __shared__ __align__(16) u32 smem[];
     u32* s_warp = sc.warp;
@@ -760,7 +769,7 @@ __device__ __forceinline__ void topk_cluster_body(const float* __restrict__ logi
     const int r_hi = r_lo + per < len ? r_lo + per : len;
 
     if (multi) cl_arrive();  // after the clears; waited for before the first remote add
-    block_bar<THREADS, BAR>();  // cleared before the first add
+    __syncthreads();  // cleared before the first add
 
     // load + pass A in one sweep
     for (int i0 = tid * 4, it = 0; i0 < lim; i0 += THREADS * 4 * UNROLL, ++it) {
@@ -792,14 +801,14 @@ __device__ __forceinline__ void topk_cluster_body(const float* __restrict__ logi
         const u32 u = order_key(__ldg(x + i), nan_low);
         atomicAdd(&hist[multi ? u >> 21 : solo_bin(u)], 1u);
     }
-    block_bar<THREADS, BAR>();
+    __syncthreads();
     const u32* totals = hist;
     if (multi) {
         cl_wait();
         cl_push_hist<C, THREADS>(hist, glob0, BINS_A);
         totals = glob0;
     }
-    find_bin<THREADS, BAR>(totals, BINS_A, (u32)k, s_warp, s_res);
+    find_bin<THREADS>(totals, BINS_A, (u32)k, s_warp, s_res);
     // the keys [klo, khi] of the k-th key's bin hold the threshold: those above khi are taken
     u32 klo, khi;
     if (multi) {
@@ -822,19 +831,19 @@ __device__ __forceinline__ void topk_cluster_body(const float* __restrict__ logi
         u32* h = pass == 1 ? hist1 : (pass == 2 ? hist2 : hist);  // cleared at the start but hist
         if (pass == 3) {  // one CTA only (a cluster's pass A leaves 21 bits: two passes)
             for (int i = tid; i < nbins; i += THREADS) h[i] = 0u;
-            block_bar<THREADS, BAR>();
+            __syncthreads();
         }
         range_sweep<ALIGNED>(keys, lim, x, nan_low, r_lo, r_hi, [&](int, u32 u) {
             if (u >= l && u <= r) atomicAdd(&h[(u >> dsh) & mask], 1u);
         });
-        block_bar<THREADS, BAR>();
+        __syncthreads();
         totals = h;
         if (multi) {
             u32* glob = pass == 1 ? glob1 : glob2;
             cl_push_hist<C, THREADS>(h, glob, nbins);
             totals = glob;
         }
-        find_bin<THREADS, BAR>(totals, nbins, need, s_warp, s_res);
+        find_bin<THREADS>(totals, nbins, need, s_warp, s_res);
         const u32 base = sh >= 32 ? 0u : (klo >> sh) << sh;
         const u32 dlo = base | (s_res[0] << dsh), dhi = dlo | ((1u << dsh) - 1u);
         klo = klo > dlo ? klo : dlo;
@@ -873,7 +882,7 @@ __device__ __forceinline__ void topk_cluster_body(const float* __restrict__ logi
     }
     const bool any = ra + rt != 0u;
     u32 ta, tt;
-    block_excl_scan2<THREADS, BAR>(ra, rt, s_scan, ta, tt);  // its barrier orders the local list
+    block_excl_scan2<THREADS>(ra, rt, s_scan, ta, tt);  // its barrier orders the local list
     if (multi) {  // this CTA's totals into the higher ranks' slots
         if (tid > (int)rank && tid < C) {
             cl_store(&s_cnt[2 * rank], (u32)tid, ta);
@@ -896,7 +905,7 @@ __device__ __forceinline__ void topk_cluster_body(const float* __restrict__ logi
                     ++slot;
                 });
             }
-            block_bar<THREADS, BAR>();
+            __syncthreads();
         }
         // G threads per listed key count the keys ranked before it by (key descending, position
         // ascending) and the positions before it (positions are unique)
@@ -917,7 +926,7 @@ __device__ __forceinline__ void topk_cluster_body(const float* __restrict__ logi
             prank += __shfl_xor_sync(FULL_MASK, prank, d);
         }
         if (c < m && tid % G == 0) s_taken[prank] = vrank < need ? 1u : 0u;
-        block_bar<THREADS, BAR>();
+        __syncthreads();
         if (warp == 0) {  // s_before[j]: the selected keys among the first j in position order
             u32 run = 0;
             for (int g = 0; g < TIE; g += 32) {
@@ -927,7 +936,7 @@ __device__ __forceinline__ void topk_cluster_body(const float* __restrict__ logi
             }
             if (lane == 0) s_before[TIE] = run;
         }
-        block_bar<THREADS, BAR>();
+        __syncthreads();
     }
     if (!any) return;
     u32 tb = listed ? s_before[rt < (u32)TIE ? rt : (u32)TIE] : (rt < need ? rt : need);  // taken T before
@@ -958,6 +967,193 @@ __device__ __forceinline__ void topk_cluster_body(const float* __restrict__ logi
     });
 }
 
+// one row of k < n <= 4 * CLUSTER_UNROLL * ACT live keys held in registers, on the first ACT of
+// the CTA's THREADS threads (cuda_topk_emu.cluster_topk_row, `in_registers`): active thread t
+// holds the positions j * 4 * ACT + 4 * t + c (group j < CLUSTER_UNROLL, c < 4). Every thread
+// brings the raw bits of positions u * 4 * THREADS + 4 * t + c in `first`; with ACT < THREADS
+// the others hand theirs over through `spare` ((THREADS - ACT) * 16 * ACT / THREADS words) and
+// leave after one barrier (BAR: the named barrier of the ACT threads). Shared memory:
+// SOLO_WORDS words, cleared. The passes of a one-CTA row (solo_bin, then refine passes over the
+// keys of [klo, khi]); a listed bin's keys are gathered unordered and ranked by (key, position):
+// its last selected key (kv, kp) closes the selection. The output order comes from one block
+// scan over (group, thread), which is position order.
+template <int THREADS, int ACT, int BAR>
+__device__ __forceinline__ void topk_reg_body(int n, int k, int* __restrict__ o, int nan_low,
+                                              const FirstKeys& first, u32* spare, BodyScratch& sc) {
+    constexpr int J = CLUSTER_UNROLL, TIE = SOLO_TIE_MAX, WARPS = ACT / 32, G = ACT / TIE;
+    constexpr int R = THREADS / ACT, OWN = J / R;  // OWN: groups of `first` an active thread keeps
+    static_assert(ACT % TIE == 0 && G <= 32 && J * WARPS <= (int)(sizeof(sc.scan) / 4), "threads");
+    static_assert(THREADS % ACT == 0 && J % R == 0 && (R == 1) == (BAR == 0), "active threads");
+    extern __shared__ __align__(16) u32 smem[];
+    u32* hist = smem;  // pass A's counts, then a third refine pass's, then the listed bin
+    u32* hist1 = hist + 4096;
+    u32* hist2 = hist1 + 2048;
+    u32* s_tkey = hist;
+    u32* s_tpos = hist + TIE;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    // active group j is `first` group j / R of thread tid + ACT * (j % R)
+    if (R > 1 && tid >= ACT) {
+#pragma unroll
+        for (int u = 0; u < OWN; ++u)
+            reinterpret_cast<uint4*>(spare)[((tid / ACT - 1) * OWN + u) * ACT + tid % ACT] = first.q[u];
+    }
+    if (tid == 0) sc.tn = 0u;
+    __syncthreads();  // the clears (and the hand-over) before the first add
+    if (R > 1 && tid >= ACT) return;
+    const int jn = (n + 4 * ACT - 1) / (4 * ACT);  // the groups that hold live keys (block-uniform)
+    u32 key[4 * J];
+#pragma unroll
+    for (int j = 0; j < J; ++j) {
+        uint4 b = make_uint4(0u, 0u, 0u, 0u);
+        if (j < jn)
+            b = j % R == 0 ? first.q[j / R]
+                           : reinterpret_cast<const uint4*>(spare)[((j % R - 1) * OWN + j / R) * ACT + tid];
+        key[4 * j + 0] = order_key(__uint_as_float(b.x), nan_low);
+        key[4 * j + 1] = order_key(__uint_as_float(b.y), nan_low);
+        key[4 * j + 2] = order_key(__uint_as_float(b.z), nan_low);
+        key[4 * j + 3] = order_key(__uint_as_float(b.w), nan_low);
+    }
+#define REG_POS(i) (((i) >> 2) * 4 * ACT + 4 * tid + ((i) & 3))
+// the live slots i = 4 * j + c of this thread, group by group (the dead groups skipped)
+#define FOR_LIVE(BODY)                                   \
+    _Pragma("unroll") for (int j = 0; j < J; ++j) {      \
+        if (j >= jn) break;                              \
+        _Pragma("unroll") for (int c = 0; c < 4; ++c) {  \
+            const int i = 4 * j + c;                     \
+            if (REG_POS(i) < n) { BODY }                 \
+        }                                                \
+    }
+    FOR_LIVE(atomicAdd(&hist[solo_bin(key[i])], 1u);)
+    block_bar<ACT, BAR>();
+    find_bin<ACT, BAR>(hist, 4096, (u32)k, sc.warp, sc.res);
+    u32 klo, khi;
+    solo_bin_keys(sc.res[0], klo, khi);
+    u32 need = sc.res[1];
+    u32 cnt = sc.res[2];
+
+    // refine on the next (at most 11) bits below those klo and khi share (as the one-CTA body)
+    for (int pass = 1; cnt != need && cnt > (u32)TIE && klo != khi; ++pass) {
+        const int sh = 32 - __clz(klo ^ khi);
+        const int bits = sh < 11 ? sh : 11;
+        const int dsh = sh - bits;
+        const int nbins = 1 << bits;
+        const u32 mask = (u32)(nbins - 1);
+        u32* h = pass == 1 ? hist1 : (pass == 2 ? hist2 : hist);
+        if (pass == 3) {
+            for (int i = tid; i < nbins; i += ACT) h[i] = 0u;
+            block_bar<ACT, BAR>();
+        }
+        FOR_LIVE(if (key[i] >= klo && key[i] <= khi) atomicAdd(&h[(key[i] >> dsh) & mask], 1u);)
+        block_bar<ACT, BAR>();
+        find_bin<ACT, BAR>(h, nbins, need, sc.warp, sc.res);
+        const u32 base = sh >= 32 ? 0u : (klo >> sh) << sh;
+        const u32 dlo = base | (sc.res[0] << dsh), dhi = dlo | ((1u << dsh) - 1u);
+        klo = klo > dlo ? klo : dlo;
+        khi = khi < dhi ? khi : dhi;
+        need = sc.res[1];
+        cnt = sc.res[2];
+    }
+    // listed: the bin's keys (more than needed, at most TIE) are ranked by (key, position).
+    // The selection: keys above kv, kv itself at positions up to kp, and (one key value left,
+    // more of it than needed) the first `need` keys equal to tv in position order
+    u32 kv = klo, tv = 0u;
+    int kp = 0x7fffffff;
+    bool tie = false;
+    if (cnt != need && cnt <= (u32)TIE) {  // block-uniform
+        u32 mine = 0u;  // this thread's slots in the bin: one shared add reserves their places
+        FOR_LIVE(if (key[i] >= klo && key[i] <= khi) mine |= 1u << i;)
+        if (mine != 0u) {
+            u32 slot = atomicAdd(&sc.tn, (u32)__popc(mine));
+#pragma unroll
+            for (int i = 0; i < 4 * J; ++i) {
+                if (!((mine >> i) & 1u)) continue;
+                if (slot < (u32)TIE) {  // always: the bin holds at most TIE keys
+                    s_tkey[slot] = key[i];
+                    s_tpos[slot] = (u32)REG_POS(i);
+                }
+                ++slot;
+            }
+        }
+        block_bar<ACT, BAR>();
+        const u32 c = (u32)(tid / G);
+        u32 vrank = 0, ck = 0, cp = 0;
+        if (c < cnt) {
+            ck = s_tkey[c];
+            cp = s_tpos[c];
+            for (u32 j = (u32)(tid % G); j < cnt; j += G) {
+                const u32 kj = s_tkey[j], pj = s_tpos[j];
+                vrank += (kj > ck || (kj == ck && pj < cp)) ? 1u : 0u;
+            }
+        }
+#pragma unroll
+        for (int d = 1; d < G; d <<= 1) vrank += __shfl_xor_sync(FULL_MASK, vrank, d);
+        if (c < cnt && tid % G == 0 && vrank == need - 1u) {
+            sc.sel[0] = ck;
+            sc.sel[1] = cp;
+        }
+        block_bar<ACT, BAR>();
+        kv = sc.sel[0];
+        kp = (int)sc.sel[1];
+    } else if (cnt != need) {  // one key value: the first `need` of its keys
+        kp = -1;
+        tie = true;
+        tv = klo;
+    }
+
+    // collect: per group, this thread's keys of the selection's first part (A) and of the tie
+    // value (T), packed A | T << 16 (each total at most n < 2^16); one block scan in (group,
+    // thread) order gives the keys before; a selected key goes to (A before) + (taken T before)
+    u32 amask = 0u, tmask = 0u, v[J];
+    FOR_LIVE(if (key[i] > kv || (key[i] == kv && REG_POS(i) <= kp)) amask |= 1u << i;
+             else if (tie && key[i] == tv) tmask |= 1u << i;)
+#pragma unroll
+    for (int j = 0; j < J; ++j)
+        v[j] = (u32)__popc((amask >> (4 * j)) & 15u) | ((u32)__popc((tmask >> (4 * j)) & 15u) << 16);
+    u32 incl[J];
+#pragma unroll
+    for (int j = 0; j < J; ++j) {
+        incl[j] = warp_incl_scan(v[j], lane);
+        if (lane == 31) sc.scan[j * WARPS + warp] = incl[j];
+    }
+    block_bar<ACT, BAR>();
+    u32 run = 0u, off[J];
+#pragma unroll
+    for (int j = 0; j < J; ++j) {
+        const u32 w = lane < WARPS ? sc.scan[j * WARPS + lane] : 0u;
+        const u32 s = warp_incl_scan(w, lane);
+        off[j] = run + __shfl_sync(FULL_MASK, s - w, warp) + incl[j] - v[j];
+        run += __shfl_sync(FULL_MASK, s, 31);
+    }
+    u32 ra = off[0] & 0xffffu, rt = off[0] >> 16;
+    const bool any = (amask | tmask) != 0u;
+    if (!any) return;
+#pragma unroll
+    for (int j = 0; j < J; ++j) {
+        if ((((amask | tmask) >> (4 * j)) & 15u) == 0u) continue;  // nothing selected here
+        ra = off[j] & 0xffffu;
+        rt = off[j] >> 16;
+        u32 tb = rt < need ? rt : need;  // taken T keys before
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            const int i = 4 * j + c;
+            if ((amask >> i) & 1u) {
+                const u32 d = ra + tb;
+                if (d < (u32)k) o[d] = REG_POS(i);  // always true; guards a broken invariant
+                ++ra;
+            } else if ((tmask >> i) & 1u) {
+                if (rt < need) {
+                    const u32 d = ra + tb;
+                    if (d < (u32)k) o[d] = REG_POS(i);
+                    ++tb;
+                }
+                ++rt;
+            }
+        }
+    }
+#undef FOR_LIVE
+#undef REG_POS
+}
+
 template <int C, int THREADS, bool ALIGNED>
 __device__ __forceinline__ void topk_cluster_row(const float* __restrict__ logits, i64 stride_r,
                                                  const void* lens, int lens64, const void* active,
@@ -978,42 +1174,43 @@ __device__ __forceinline__ void topk_cluster_row(const float* __restrict__ logit
 
     __shared__ BodyScratch sc;
     FirstKeys first;
-    if (C == 1) {  // the first sweep's loads beside the live length (the host width is readable)
-        const int spec = sel_width < cap ? sel_width : cap;
+    constexpr int REG_MAX = 4 * CLUSTER_UNROLL * THREADS;  // the longest row held in registers
+    if (C == 1 || rank == 0u) {  // the first keys beside the live length (the host width is readable)
+        const int spec = sel_width < REG_MAX ? sel_width : REG_MAX;
 #pragma unroll
         for (int u = 0; u < CLUSTER_UNROLL; ++u) {
             const int p = tid * 4 + u * THREADS * 4;
             first.q[u] = p < spec ? chunk_bits4<ALIGNED>(x, p, spec) : make_uint4(0u, 0u, 0u, 0u);
         }
     }
-    if (C > 1 && rank == 0u) {  // rank 0's chunk starts the row: its first lines into L1, beside the length
-        int spec = sel_width < cap ? sel_width : cap;
-        spec = spec < SOLO_MAX ? spec : SOLO_MAX;
-        for (int p = tid * 32; p < spec; p += THREADS * 32) asm volatile("prefetch.global.L1 [%0];" ::"l"(x + p));
-    }
     const int n = live_length(lens, lens64, active, active64, row, sel_width);
     if (n <= k) {  // cluster-uniform: no CTA reaches a cluster barrier
         for (int i = (int)rank * THREADS + tid; i < k; i += C * THREADS) o[i] = i < n ? i : -1;
         return;
     }
-    // a row of at most SHORT_ROW_MAX keys runs on the first 512 threads of rank 0
-    // (cuda_topk_emu.row_threads), whatever the bound: the other warps leave once the clears are
-    // ordered before the first adds
-    if (THREADS > 512 && n <= SHORT_ROW_MAX) {  // cluster-uniform; no cluster barrier follows
-        __syncthreads();
-        if (rank == 0u && tid < 512) topk_cluster_body<1, 512, ALIGNED, false, 1>(x, n, k, o, nan_low, cap, 0u, first, sc);
+    // a row of at most REG_MAX keys runs from registers on rank 0 (cuda_topk_emu.in_registers),
+    // whatever the bound
+    if (n <= REG_MAX) {  // cluster-uniform; no cluster barrier follows
+        u32* spare = smem + (C == 1 ? SOLO_WORDS : 2 * PASS_WORDS);  // the keys' words
+        constexpr int ACT = SHORT_ACT < THREADS ? SHORT_ACT : THREADS;
+        if (rank == 0u) {
+            if (ACT < THREADS && n <= 4 * CLUSTER_UNROLL * ACT)
+                topk_reg_body<THREADS, ACT, (ACT < THREADS ? 1 : 0)>(n, k, o, nan_low, first, spare, sc);
+            else
+                topk_reg_body<THREADS, THREADS, 0>(n, k, o, nan_low, first, spare, sc);
+        }
         return;
     }
     if (C == 1) {
-        topk_cluster_body<1, THREADS, ALIGNED, true, 0>(x, n, k, o, nan_low, cap, 0u, first, sc);
+        topk_cluster_body<1, THREADS, ALIGNED, true>(x, n, k, o, nan_low, cap, 0u, first, sc);
         return;
     }
     // a short row runs on rank 0 alone, as with one CTA per row (cuda_topk_emu.cluster_split)
     if (n <= SOLO_MAX && n <= cap) {  // cluster-uniform; no barrier or remote access follows
-        if (rank == 0u) topk_cluster_body<1, THREADS, ALIGNED, false, 0>(x, n, k, o, nan_low, cap, 0u, first, sc);
+        if (rank == 0u) topk_cluster_body<1, THREADS, ALIGNED, false>(x, n, k, o, nan_low, cap, 0u, first, sc);
         return;
     }
-    topk_cluster_body<C, THREADS, ALIGNED, false, 0>(x, n, k, o, nan_low, cap, rank, first, sc);
+    topk_cluster_body<C, THREADS, ALIGNED, false>(x, n, k, o, nan_low, cap, rank, first, sc);
 }
 
 #define TOPK_CLUSTER_KERNEL(C, T, A)                                                               \

@@ -138,13 +138,23 @@ def range_slot(p: int, per: int) -> int:
     return p + RANGE_PAD * (p // per)
 
 
-SHORT_ROW_MAX = 4096
-"""a row of at most this many live keys runs on the first 512 threads of the first CTA"""
+REG_GROUPS = 4
+"""16-byte groups of keys each thread loads beside the live length (``CLUSTER_UNROLL`` in the
+source): a row of at most ``4 * REG_GROUPS * threads`` live keys runs from registers"""
 
 
-def runs_solo(n: int, cluster: int, cap: int) -> bool:
+def in_registers(n: int, threads: int) -> bool:
+    """Whether a row of ``n`` live keys runs from registers on the first CTA of a launch of
+    ``threads`` per CTA. Every thread loads positions ``j * 4 * threads + 4 * t + c``; a row of
+    at most ``16 * SHORT_ACT`` keys (512 in the source) runs on the first ``SHORT_ACT`` threads,
+    which take the others' keys over shared memory. The output does not depend on either
+    layout: each scans its 4-key slices in position order."""
+    return n <= 4 * REG_GROUPS * threads
+
+
+def runs_solo(n: int, cluster: int, cap: int, threads: int = 1024) -> bool:
     """Whether the cluster route runs a row of ``n`` live keys on one CTA's code."""
-    return cluster == 1 or n <= SHORT_ROW_MAX or n <= min(SOLO_MAX, cap)
+    return cluster == 1 or in_registers(n, threads) or n <= min(SOLO_MAX, cap)
 
 
 SOLO_MAX = 16384
@@ -153,16 +163,11 @@ TIE_MAX = 32
 """a level whose bin holds at most this many keys (more than needed) is resolved from a list"""
 
 
-def row_threads(n: int, threads: int) -> int:
-    """The threads that run a row of ``n`` live keys in a launch of ``threads`` per CTA."""
-    return 512 if threads > 512 and n <= SHORT_ROW_MAX else threads
-
-
-def cluster_split(n: int, cluster: int, cap: int) -> list[tuple[int, int]]:
+def cluster_split(n: int, cluster: int, cap: int, threads: int = 1024) -> list[tuple[int, int]]:
     """The cluster route's chunks of a row of ``n`` live keys: one chunk on the first CTA when
-    the row is short (``n <= SHORT_ROW_MAX``, or ``n <= SOLO_MAX`` and ``n <= cap``), else
+    the row is short (``in_registers``, or ``n <= SOLO_MAX`` and ``n <= cap``), else
     ``cluster_chunks``."""
-    if cluster > 1 and runs_solo(n, cluster, cap):
+    if cluster > 1 and runs_solo(n, cluster, cap, threads):
         return [(0, n)] + [(n, 0)] * (cluster - 1)
     return cluster_chunks(n, cluster)
 
@@ -250,48 +255,58 @@ def cluster_topk_row(x: torch.Tensor, k: int, cluster: int, *, threads: int = 10
     (CTA, thread) in position order gives the counts before it; a listed bin's keys are ranked by
     (key, position), and ``taken[j]`` says whether
     the bin's j-th key in position order is selected (else the first ``need`` are). A key of A or
-    a taken key of T goes to ``ra + tb`` (A keys and taken T keys before it). Equal to
-    ``topk_row`` (the specification)."""
+    a taken key of T goes to ``ra + tb`` (A keys and taken T keys before it). A row held in
+    registers (``in_registers``) scans its 4-key slices in (group, thread) order, which is
+    position order, and counts a listed bin's selected keys with A. Equal to ``topk_row`` (the
+    specification)."""
     n = x.numel()
     out = _short_or_empty_row(n, k)
     if n <= k:
         return out
     u = order_keys(x, nan_low)
-    chunks = cluster_split(n, cluster, cap)
+    chunks = cluster_split(n, cluster, cap, threads)
     assert sum(length for _, length in chunks) == n
-    solo = runs_solo(n, cluster, cap)
+    solo = runs_solo(n, cluster, cap, threads)
     assert chunks[0] == (0, n) or not solo
-    threads = row_threads(n, threads)
     plan = plan_cluster_row(u, k, solo=solo)
     above = (u > plan.hi).tolist()
     tie = ((u >= plan.lo) & (u <= plan.hi)).tolist()
     tie_pos = [p for p in range(n) if tie[p]]
+    regs = in_registers(n, threads)
     if plan.listed:  # the ranking: key descending, then position ascending
         ranked = sorted(tie_pos, key=lambda p: (-int(u[p]), p))
         chosen = set(ranked[: plan.need])
         taken = [p in chosen for p in tie_pos]
+        if regs:  # the selection closes at the last chosen key: the chosen keys count with A
+            above = [a or p in chosen for p, a in enumerate(above)]
+            tie = [False] * n
+            tie_pos, taken = [], []
     else:
         taken = [j < plan.need for j in range(len(tie_pos))]
     taken_before = [0]
     for t in taken:
         taken_before.append(taken_before[-1] + int(t))
     out.fill_(-7)
+    if regs:  # (group, thread): 4-key slices in position order
+        ranges = [(p, min(p + 4, n)) for p in range(0, n, 4)]
+    else:
+        ranges = []
+        for lo, length in chunks:
+            per = thread_range(length, threads)
+            ranges += [(lo + min(t * per, length), lo + min(t * per + per, length)) for t in range(threads)]
     ra = rt = 0  # the exclusive scan, range by range
-    for lo, length in chunks:
-        per = thread_range(length, threads)
-        for t in range(threads):
-            r_lo, r_hi = lo + min(t * per, length), lo + min(t * per + per, length)
-            a, q, tb = ra, rt, taken_before[rt]
-            for p in range(r_lo, r_hi):
-                if above[p]:
+    for r_lo, r_hi in ranges:
+        a, q, tb = ra, rt, taken_before[rt]
+        for p in range(r_lo, r_hi):
+            if above[p]:
+                out[a + tb] = p
+                a += 1
+            elif tie[p]:
+                if taken[q]:
                     out[a + tb] = p
-                    a += 1
-                elif tie[p]:
-                    if taken[q]:
-                        out[a + tb] = p
-                        tb += 1
-                    q += 1
-            ra, rt = a, q
+                    tb += 1
+                q += 1
+        ra, rt = a, q
     assert ra == k - taken_before[-1] and rt == len(tie_pos)
     return out
 
