@@ -5,7 +5,9 @@ CUDA-graph replay. Phase times are differences of cumulative times.
     python benchmarks/cuda_topk_phases.py [--cases 1:1x4096,8:1x65536,2:64x65536]
 
 A case is ``C:BxL`` (C CTAs per row, B rows of L live keys, host width L) or ``C:BxL/W`` (host
-width W: the plan a wider bound gets, e.g. a short row on a cluster's first CTA).
+width W: the plan a wider bound gets, e.g. a short row on a cluster's first CTA). ``--define
+SHORT_ACT=256`` compiles a variant of the source (a macro it leaves open); ``--stops 99`` times
+the whole kernel only (one compile).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import argparse
 import ctypes
 import json
 import os
+import re
 import sys
 import types
 
@@ -42,10 +45,10 @@ NAMES = {0: "launch (empty)", 1: "live length", 2: "load + pass A", 3: "refine",
          99: "write"}
 
 
-def cut_source(stop: int) -> str:
-    text = cuda_topk.source()
-    for _, anchor, code in CUTS:
-        assert text.count(anchor) == 1, anchor
+def cut_source(stop: int, defines: tuple[str, ...] = ()) -> str:
+    text = "".join(f"#define {d.replace('=', ' ', 1)}\n" for d in defines) + cuda_topk.source()
+    for _, anchor, code in CUTS:  # in each body that has the phase (registers, shared memory)
+        assert text.count(anchor) >= 1, anchor
         text = text.replace(anchor, code + anchor)
     head = "    const int row = blockIdx.y;\n    const u32 rank"
     assert text.count(head) == 1
@@ -72,7 +75,18 @@ def main() -> None:
     ap.add_argument("--mean", type=float, default=0.0, help="the logits' mean (normal)")
     ap.add_argument("--std", type=float, default=1.0,
                     help="the logits' standard deviation (the indexer benchmark's: about mean 8.5, std 19)")
+    ap.add_argument("--define", action="append", default=[], metavar="NAME=VALUE",
+                    help="a macro for the source (repeatable), e.g. SHORT_ACT=256")
+    ap.add_argument("--stops", default=",".join(str(s) for s in STOPS),
+                    help=f"the cuts to time, of {STOPS} (99: the whole kernel)")
+    ap.add_argument("--out", default=None, help="JSON path (default: $OUT/cuda_topk_phases.json if $OUT is set)")
     a = ap.parse_args()
+    stops = tuple(int(s) for s in a.stops.split(","))
+    if not set(stops) <= set(STOPS) or not stops:
+        ap.error(f"--stops: a comma list of {STOPS}")
+    bad = [d for d in a.define if not re.fullmatch(r"[A-Z_][A-Z0-9_]*=\w+", d)]
+    if bad:
+        ap.error(f"--define wants NAME=VALUE, got {bad}")
     if not torch.cuda.is_available():
         print("error: needs a CUDA device", file=sys.stderr)
         sys.exit(2)
@@ -81,8 +95,8 @@ def main() -> None:
     fake = types.SimpleNamespace(driver=driver, ctx=mod.ctx)
     major, minor = torch.cuda.get_device_capability()
     modules = {}
-    for stop in STOPS:
-        cubin, _ = cuda_topk.compile_source(f"sm_{major}{minor}", text=cut_source(stop))
+    for stop in stops:
+        cubin, _ = cuda_topk.compile_source(f"sm_{major}{minor}", text=cut_source(stop, tuple(a.define)))
         modules[stop] = cuda_topk._check(driver.cuModuleLoadData(cubin), "cuModuleLoadData")
     attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
     rows_out = []
@@ -101,23 +115,23 @@ def main() -> None:
         lens = torch.full((B,), L, dtype=torch.int32, device="cuda")
         out = torch.empty(B, K, dtype=torch.int32, device="cuda")
         res = {"C": C, "B": B, "L": L, "W": W, "cap": plan.cap, "threads": plan.threads, "mean": a.mean,
-               "std": a.std}
+               "std": a.std, "defines": a.define}
         for stop, fn in functions.items():
             cuda_topk._check(driver.cuFuncSetAttribute(fn, attr, plan.smem), "smem")
             res[NAMES[stop]] = time_cut(fake, fn, plan, C, xs, lens, out, a.ncalls)
         rows_out.append(res)
         prev = 0.0
         parts = []
-        for stop in STOPS:
+        for stop in stops:
             t = res[NAMES[stop]]
             parts.append(f"{NAMES[stop]} {t - prev:+.2f}")
             prev = t
-        print(f"C={C} B={B} L={L} W={W} cap={plan.cap} threads={plan.threads} "
-              f"total {res['write']:.2f} us: " + ", ".join(parts),
+        print(f"C={C} B={B} L={L} W={W} cap={plan.cap} threads={plan.threads} {' '.join(a.define)} "
+              f"total {res[NAMES[stops[-1]]]:.2f} us: " + ", ".join(parts),
               flush=True)
-    out_dir = os.environ.get("OUT")
-    if out_dir:
-        with open(os.path.join(out_dir, "cuda_topk_phases.json"), "w") as fh:
+    path = a.out or (os.path.join(os.environ["OUT"], "cuda_topk_phases.json") if os.environ.get("OUT") else None)
+    if path:
+        with open(path, "w") as fh:
             json.dump(rows_out, fh, indent=1)
 
 
