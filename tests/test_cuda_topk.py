@@ -221,6 +221,13 @@ def test_the_kernel_source_uses_the_emulation_constants():
         assert f"#define {name} {getattr(emu, name)} " in src, name
     assert f"#define CLUSTER_UNROLL {emu.REG_GROUPS} " in src
     assert "#define SHORT_ACT 512 " in src  # in_registers' docstring
+    # a register row's hand-over ((threads - act) * 16 * act / threads words, topk_reg_body)
+    # fits the keys' words of the smallest plan (cap 4) of every launch the host makes
+    for cluster, threads in itertools.product(cuda_topk.CLUSTER_SIZES, cuda_topk.CLUSTER_THREADS):
+        act = min(512, threads)
+        passes = cuda_topk.SOLO_PASS_WORDS if cluster == 1 else 2 * cuda_topk.CLUSTER_PASS_WORDS
+        spare = cuda_topk.cluster_smem_bytes(4, cluster, threads) // 4 - passes
+        assert (threads - act) * 16 * act // threads <= spare, (cluster, threads)
     assert (cuda_topk.RANGE_PAD, cuda_topk.SOLO_MAX) == (emu.RANGE_PAD, emu.SOLO_MAX)
     # the pass counts' layout the host sizes shared memory with
     layouts = [("PASS_WORDS", cuda_topk.CLUSTER_PASS_WORDS), ("SOLO_WORDS", cuda_topk.SOLO_PASS_WORDS)]

@@ -187,15 +187,15 @@ def test_listed_bins_in_registers_rank_by_key_then_position(route, width):
     assert torch.equal(got.cpu(), emu.topk_indices(rows, lens, K))
 
 
-@pytest.mark.parametrize("route,cap,exact",
-                         [(1, None, False), (1, 1024, False), (8, None, False), (1, None, True)])
-def test_one_cta_levels_write_the_emulated_row(route, cap, exact):
+@pytest.mark.parametrize("route,exact", [(1, False), (8, False), (1, True)])
+def test_one_cta_levels_write_the_emulated_row(route, exact):
     """The one-CTA code (the C = 1 kernel, which reads a row's first keys beside its live length,
     and a short row on a cluster's first CTA) on rows for each of its levels: a list after pass A,
     refine passes in an inner and an edge bin, one key value; live lengths below the host width
     whose tails would win if read; keys past a small ``cap`` from global memory. Element for
     element against the emulation. ``exact``: the host width is the live length. These rows (at
-    most 16384 keys) run from registers on either bound; ``cap`` does not apply to them."""
+    most 16384 keys) run from registers on either bound (keys past a small ``cap``: the
+    longer rows of ``test_cluster_chunks_longer_than_shared_memory_read_the_rest_from_global``)."""
     from test_cuda_topk import _edge_row
 
     g = torch.Generator().manual_seed(3)
@@ -218,7 +218,7 @@ def test_one_cta_levels_write_the_emulated_row(route, cap, exact):
         rows[1, :n] = live.flip(0)
         lens = torch.tensor([n, n], dtype=torch.int32)
         got = _launch(rows.to(DEV), lens.to(DEV), torch.empty(2, k, dtype=torch.int32, device=DEV), k=k,
-                      route=route, cap=cap)
+                      route=route)
         assert torch.equal(got.cpu(), emu.topk_indices(rows, lens, k)), (n, k, passes)
 
 

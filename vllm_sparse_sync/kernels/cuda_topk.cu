@@ -703,8 +703,8 @@ __device__ __forceinline__ u32 cl_atomic_add(const u32* p, u32 rank, u32 v) {
     return old;
 }
 
-// the raw bits of the first CLUSTER_UNROLL 16-byte groups a thread loads (one-CTA rows: read
-// beside the live length, before it is known)
+// the raw bits of the first CLUSTER_UNROLL 16-byte groups a thread loads (the C = 1 kernel and a
+// cluster's rank 0: read beside the live length, before it is known)
 struct FirstKeys {
     uint4 q[CLUSTER_UNROLL];
 };
@@ -1055,8 +1055,8 @@ __device__ __forceinline__ void topk_reg_body(int n, int k, int* __restrict__ o,
     }
     // listed: the bin's keys (more than needed, at most TIE) are ranked by (key, position).
     // The selection: keys above kv, kv itself at positions up to kp, and (one key value left,
-    // more of it than needed) the first `need` keys equal to tv in position order
-    u32 kv = klo, tv = 0u;
+    // more of it than needed: `tie`) the first `need` keys equal to kv in position order
+    u32 kv = klo;
     int kp = 0x7fffffff;
     bool tie = false;
     if (cnt != need && cnt <= (u32)TIE) {  // block-uniform
@@ -1097,7 +1097,6 @@ __device__ __forceinline__ void topk_reg_body(int n, int k, int* __restrict__ o,
     } else if (cnt != need) {  // one key value: the first `need` of its keys
         kp = -1;
         tie = true;
-        tv = klo;
     }
 
     // collect: per group, this thread's keys of the selection's first part (A) and of the tie
@@ -1105,7 +1104,7 @@ __device__ __forceinline__ void topk_reg_body(int n, int k, int* __restrict__ o,
     // thread) order gives the keys before; a selected key goes to (A before) + (taken T before)
     u32 amask = 0u, tmask = 0u, v[J];
     FOR_LIVE(if (key[i] > kv || (key[i] == kv && REG_POS(i) <= kp)) amask |= 1u << i;
-             else if (tie && key[i] == tv) tmask |= 1u << i;)
+             else if (tie && key[i] == kv) tmask |= 1u << i;)
 #pragma unroll
     for (int j = 0; j < J; ++j)
         v[j] = (u32)__popc((amask >> (4 * j)) & 15u) | ((u32)__popc((tmask >> (4 * j)) & 15u) << 16);
@@ -1124,7 +1123,7 @@ __device__ __forceinline__ void topk_reg_body(int n, int k, int* __restrict__ o,
         off[j] = run + __shfl_sync(FULL_MASK, s - w, warp) + incl[j] - v[j];
         run += __shfl_sync(FULL_MASK, s, 31);
     }
-    u32 ra = off[0] & 0xffffu, rt = off[0] >> 16;
+    u32 ra = off[0] & 0xffffu, rt = off[0] >> 16;  // group 0's (the phase cut reads them here)
     const bool any = (amask | tmask) != 0u;
     if (!any) return;
 #pragma unroll
