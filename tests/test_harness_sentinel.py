@@ -143,7 +143,8 @@ def test_taint_dies_with_its_storage_and_a_reused_address_starts_clean():
 
 
 def test_taint_of_a_new_tensor_at_a_reused_address_holds():
-    """A new tainted tensor whose address (and Python id) a dead clean tensor had stays tainted."""
+    """A new tainted tensor stays tainted, also (the usual case) at the address and Python id a
+    dead clean tensor had."""
     x = torch.arange(4096, dtype=torch.int32)
     layer = SentinelLayer([x])
     layer.start()
@@ -154,9 +155,7 @@ def test_taint_of_a_new_tensor_at_a_reused_address_holds():
             del clean
             derived = x * 1  # tainted, maybe at the dead tensor's address and id
             if derived.untyped_storage().data_ptr() == ptr:
-                break
-        else:
-            pytest.skip("the allocator never reused the address")
+                break  # the same address: the strongest case, checked below like any other
         assert derived in layer.taint, (ptr, ident, id(derived))
         int(derived[0])
     finally:
