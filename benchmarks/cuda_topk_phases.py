@@ -45,8 +45,8 @@ NAMES = {0: "launch (empty)", 1: "live length", 2: "load + pass A", 3: "refine",
          99: "write"}
 
 
-def cut_source(stop: int, defines: tuple[str, ...] = ()) -> str:
-    text = "".join(f"#define {d.replace('=', ' ', 1)}\n" for d in defines) + cuda_topk.source()
+def cut_source(stop: int, defines: tuple[str, ...] = (), base: str | None = None) -> str:
+    text = "".join(f"#define {d.replace('=', ' ', 1)}\n" for d in defines) + (base or cuda_topk.source())
     for _, anchor, code in CUTS:  # in each body that has the phase (registers, shared memory)
         assert text.count(anchor) >= 1, anchor
         text = text.replace(anchor, code + anchor)
@@ -79,6 +79,8 @@ def main() -> None:
                     help="a macro for the source (repeatable), e.g. SHORT_ACT=256")
     ap.add_argument("--stops", default=",".join(str(s) for s in STOPS),
                     help=f"the cuts to time, of {STOPS} (99: the whole kernel)")
+    ap.add_argument("--source", default=None, metavar="PATH",
+                    help="time this copy of cuda_topk.cu instead of the library's (e.g. an earlier commit's)")
     ap.add_argument("--out", default=None, help="JSON path (default: $OUT/cuda_topk_phases.json if $OUT is set)")
     a = ap.parse_args()
     stops = tuple(int(s) for s in a.stops.split(","))
@@ -90,13 +92,17 @@ def main() -> None:
     if not torch.cuda.is_available():
         print("error: needs a CUDA device", file=sys.stderr)
         sys.exit(2)
+    base = None
+    if a.source:
+        with open(a.source) as fh:
+            base = fh.read()
     mod = cuda_topk.module_for(0)
     driver = mod.driver
     fake = types.SimpleNamespace(driver=driver, ctx=mod.ctx)
     major, minor = torch.cuda.get_device_capability()
     modules = {}
     for stop in stops:
-        cubin, _ = cuda_topk.compile_source(f"sm_{major}{minor}", text=cut_source(stop, tuple(a.define)))
+        cubin, _ = cuda_topk.compile_source(f"sm_{major}{minor}", text=cut_source(stop, tuple(a.define), base))
         modules[stop] = cuda_topk._check(driver.cuModuleLoadData(cubin), "cuModuleLoadData")
     attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
     rows_out = []
@@ -115,7 +121,7 @@ def main() -> None:
         lens = torch.full((B,), L, dtype=torch.int32, device="cuda")
         out = torch.empty(B, K, dtype=torch.int32, device="cuda")
         res = {"C": C, "B": B, "L": L, "W": W, "cap": plan.cap, "threads": plan.threads, "mean": a.mean,
-               "std": a.std, "defines": a.define}
+               "std": a.std, "defines": a.define, "source": a.source}
         for stop, fn in functions.items():
             cuda_topk._check(driver.cuFuncSetAttribute(fn, attr, plan.smem), "smem")
             res[NAMES[stop]] = time_cut(fake, fn, plan, C, xs, lens, out, a.ncalls)
@@ -127,6 +133,7 @@ def main() -> None:
             parts.append(f"{NAMES[stop]} {t - prev:+.2f}")
             prev = t
         print(f"C={C} B={B} L={L} W={W} cap={plan.cap} threads={plan.threads} {' '.join(a.define)} "
+              f"{a.source or ''} "
               f"total {res[NAMES[stops[-1]]]:.2f} us: " + ", ".join(parts),
               flush=True)
     path = a.out or (os.path.join(os.environ["OUT"], "cuda_topk_phases.json") if os.environ.get("OUT") else None)

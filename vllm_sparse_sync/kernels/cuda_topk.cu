@@ -967,6 +967,65 @@ __device__ __forceinline__ void topk_cluster_body(const float* __restrict__ logi
     });
 }
 
+// bit 4 * j + c set for each of thread tid's register slots (group j < J, c < 4: position
+// j * 4 * ACT + 4 * tid + c) at a position <= lim (lim >= -1)
+template <int J, int ACT>
+__device__ __forceinline__ u32 reg_slots_upto(int lim, int tid) {
+    u32 m = 0u;
+#pragma unroll
+    for (int j = 0; j < J; ++j) {
+        int r = lim + 1 - (j * 4 * ACT + 4 * tid);
+        r = r < 0 ? 0 : (r > 4 ? 4 : r);
+        m |= ((1u << r) - 1u) << (4 * j);
+    }
+    return m;
+}
+
+// per group j of a slot mask: its count, two groups per word (16-bit fields)
+template <int W>
+__device__ __forceinline__ void reg_group_counts(u32 mask, u32 (&v)[W]) {
+#pragma unroll
+    for (int w = 0; w < W; ++w)
+        v[w] = (u32)__popc((mask >> (8 * w)) & 15u) | ((u32)__popc((mask >> (8 * w + 4)) & 15u) << 16);
+}
+
+// the 16-bit field j of packed words v
+template <int W>
+__device__ __forceinline__ u32 reg_field(const u32 (&v)[W], int j) {
+    return (v[j >> 1] >> (16 * (j & 1))) & 0xffffu;
+}
+
+// exclusive prefix over the ACT threads, in thread order, of packed counts v[w] for w < nw
+// (block-uniform; the others are not scanned) and the block's totals; one barrier (BAR).
+// Each field's prefix and total stay below 2^16. s_scan holds W * ACT / 32 words.
+template <int ACT, int BAR, int W>
+__device__ __forceinline__ void reg_packed_scan(const u32 (&v)[W], int nw, u32 (&excl)[W], u32 (&total)[W],
+                                                u32* s_scan) {
+    constexpr int WARPS = ACT / 32;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    u32 incl[W];
+#pragma unroll
+    for (int w = 0; w < W; ++w) {
+        incl[w] = 0u;
+        if (w < nw) {
+            incl[w] = warp_incl_scan(v[w], lane);
+            if (lane == 31) s_scan[w * WARPS + warp] = incl[w];
+        }
+    }
+    block_bar<ACT, BAR>();
+#pragma unroll
+    for (int w = 0; w < W; ++w) {
+        excl[w] = 0u;
+        total[w] = 0u;
+        if (w < nw) {
+            const u32 t = lane < WARPS ? s_scan[w * WARPS + lane] : 0u;
+            const u32 s = warp_incl_scan(t, lane);
+            excl[w] = __shfl_sync(FULL_MASK, s - t, warp) + incl[w] - v[w];
+            total[w] = __shfl_sync(FULL_MASK, s, 31);
+        }
+    }
+}
+
 // one row of k < n <= 4 * CLUSTER_UNROLL * ACT live keys held in registers, on the first ACT of
 // the CTA's THREADS threads (cuda_topk_emu.cluster_topk_row, `in_registers`): active thread t
 // holds the positions j * 4 * ACT + 4 * t + c (group j < CLUSTER_UNROLL, c < 4). Every thread
@@ -974,23 +1033,24 @@ __device__ __forceinline__ void topk_cluster_body(const float* __restrict__ logi
 // the others hand theirs over through `spare` ((THREADS - ACT) * 16 * ACT / THREADS words) and
 // leave after one barrier (BAR: the named barrier of the ACT threads). Shared memory:
 // SOLO_WORDS words, cleared. The passes of a one-CTA row (solo_bin, then refine passes over the
-// keys of [klo, khi]); a listed bin's keys are gathered unordered and ranked by (key, position):
-// its last selected key (kv, kp) closes the selection. The output order comes from one block
-// scan over (group, thread), which is position order.
+// keys of [klo, khi]); a listed bin's keys are gathered unordered and ranked by (key, position),
+// and a single key value's keys are counted in position order: either way the last selected key
+// (kv, kp) closes the selection, keys above kv and kv itself at positions up to kp. The output
+// order comes from one block scan of the selected keys per (group, thread), which is position order.
 template <int THREADS, int ACT, int BAR>
 __device__ __forceinline__ void topk_reg_body(int n, int k, int* __restrict__ o, int nan_low,
                                               const FirstKeys& first, u32* spare, BodyScratch& sc) {
-    constexpr int J = CLUSTER_UNROLL, TIE = SOLO_TIE_MAX, WARPS = ACT / 32, G = ACT / TIE;
+    constexpr int J = CLUSTER_UNROLL, TIE = SOLO_TIE_MAX, WARPS = ACT / 32, G = ACT / TIE, W = J / 2;
     constexpr int R = THREADS / ACT, OWN = J / R;  // OWN: groups of `first` an active thread keeps
-    static_assert(ACT % TIE == 0 && G <= 32 && J * WARPS <= (int)(sizeof(sc.scan) / 4), "threads");
-    static_assert(THREADS % ACT == 0 && J % R == 0 && (R == 1) == (BAR == 0), "active threads");
+    static_assert(ACT % TIE == 0 && G <= 32 && W * WARPS <= (int)(sizeof(sc.scan) / 4), "threads");
+    static_assert(THREADS % ACT == 0 && J % R == 0 && J % 2 == 0 && (R == 1) == (BAR == 0), "active threads");
     extern __shared__ __align__(16) u32 smem[];
     u32* hist = smem;  // pass A's counts, then a third refine pass's, then the listed bin
     u32* hist1 = hist + 4096;
     u32* hist2 = hist1 + 2048;
     u32* s_tkey = hist;
     u32* s_tpos = hist + TIE;
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int tid = threadIdx.x;
     // active group j is `first` group j / R of thread tid + ACT * (j % R)
     if (R > 1 && tid >= ACT) {
 #pragma unroll
@@ -1001,6 +1061,7 @@ __device__ __forceinline__ void topk_reg_body(int n, int k, int* __restrict__ o,
     __syncthreads();  // the clears (and the hand-over) before the first add
     if (R > 1 && tid >= ACT) return;
     const int jn = (n + 4 * ACT - 1) / (4 * ACT);  // the groups that hold live keys (block-uniform)
+    const int nw = (jn + 1) / 2;  // the packed words that hold them
     u32 key[4 * J];
 #pragma unroll
     for (int j = 0; j < J; ++j) {
@@ -1013,17 +1074,18 @@ __device__ __forceinline__ void topk_reg_body(int n, int k, int* __restrict__ o,
         key[4 * j + 2] = order_key(__uint_as_float(b.z), nan_low);
         key[4 * j + 3] = order_key(__uint_as_float(b.w), nan_low);
     }
+    const u32 live = reg_slots_upto<J, ACT>(n - 1, tid);
 #define REG_POS(i) (((i) >> 2) * 4 * ACT + 4 * tid + ((i) & 3))
-// the live slots i = 4 * j + c of this thread, group by group (the dead groups skipped)
-#define FOR_LIVE(BODY)                                   \
+// the slots i = 4 * j + c of this thread in MASK, group by group (the dead groups skipped)
+#define FOR_SLOTS(MASK, BODY)                            \
     _Pragma("unroll") for (int j = 0; j < J; ++j) {      \
         if (j >= jn) break;                              \
         _Pragma("unroll") for (int c = 0; c < 4; ++c) {  \
             const int i = 4 * j + c;                     \
-            if (REG_POS(i) < n) { BODY }                 \
+            if (((MASK) >> i) & 1u) { BODY }             \
         }                                                \
     }
-    FOR_LIVE(atomicAdd(&hist[solo_bin(key[i])], 1u);)
+    FOR_SLOTS(live, atomicAdd(&hist[solo_bin(key[i])], 1u);)
     block_bar<ACT, BAR>();
     find_bin<ACT, BAR>(hist, 4096, (u32)k, sc.warp, sc.res);
     u32 klo, khi;
@@ -1037,13 +1099,13 @@ __device__ __forceinline__ void topk_reg_body(int n, int k, int* __restrict__ o,
         const int bits = sh < 11 ? sh : 11;
         const int dsh = sh - bits;
         const int nbins = 1 << bits;
-        const u32 mask = (u32)(nbins - 1);
+        const u32 mask = (u32)(nbins - 1), span = khi - klo;
         u32* h = pass == 1 ? hist1 : (pass == 2 ? hist2 : hist);
         if (pass == 3) {
             for (int i = tid; i < nbins; i += ACT) h[i] = 0u;
             block_bar<ACT, BAR>();
         }
-        FOR_LIVE(if (key[i] >= klo && key[i] <= khi) atomicAdd(&h[(key[i] >> dsh) & mask], 1u);)
+        FOR_SLOTS(live, if (key[i] - klo <= span) atomicAdd(&h[(key[i] >> dsh) & mask], 1u);)
         block_bar<ACT, BAR>();
         find_bin<ACT, BAR>(h, nbins, need, sc.warp, sc.res);
         const u32 base = sh >= 32 ? 0u : (klo >> sh) << sh;
@@ -1054,24 +1116,31 @@ __device__ __forceinline__ void topk_reg_body(int n, int k, int* __restrict__ o,
         cnt = sc.res[2];
     }
     // listed: the bin's keys (more than needed, at most TIE) are ranked by (key, position).
-    // The selection: keys above kv, kv itself at positions up to kp, and (one key value left,
-    // more of it than needed: `tie`) the first `need` keys equal to kv in position order
+    // The selection: keys above kv and kv itself at positions up to kp (the whole bin: kv = klo
+    // and every position; a single key value kv = klo, more of it than needed: its need-th
+    // position in position order)
     u32 kv = klo;
-    int kp = 0x7fffffff;
-    bool tie = false;
+    int kp = n - 1;
+    u32 v[W], excl[W], total[W];
     if (cnt != need && cnt <= (u32)TIE) {  // block-uniform
+        const u32 span = khi - klo;
         u32 mine = 0u;  // this thread's slots in the bin: one shared add reserves their places
-        FOR_LIVE(if (key[i] >= klo && key[i] <= khi) mine |= 1u << i;)
+        FOR_SLOTS(live, if (key[i] - klo <= span) mine |= 1u << i;)
         if (mine != 0u) {
             u32 slot = atomicAdd(&sc.tn, (u32)__popc(mine));
 #pragma unroll
-            for (int i = 0; i < 4 * J; ++i) {
-                if (!((mine >> i) & 1u)) continue;
-                if (slot < (u32)TIE) {  // always: the bin holds at most TIE keys
-                    s_tkey[slot] = key[i];
-                    s_tpos[slot] = (u32)REG_POS(i);
+            for (int j = 0; j < J; ++j) {
+                if (((mine >> (4 * j)) & 15u) == 0u) continue;
+#pragma unroll
+                for (int c = 0; c < 4; ++c) {
+                    const int i = 4 * j + c;
+                    if (!((mine >> i) & 1u)) continue;
+                    if (slot < (u32)TIE) {  // always: the bin holds at most TIE keys
+                        s_tkey[slot] = key[i];
+                        s_tpos[slot] = (u32)REG_POS(i);
+                    }
+                    ++slot;
                 }
-                ++slot;
             }
         }
         block_bar<ACT, BAR>();
@@ -1094,62 +1163,70 @@ __device__ __forceinline__ void topk_reg_body(int n, int k, int* __restrict__ o,
         block_bar<ACT, BAR>();
         kv = sc.sel[0];
         kp = (int)sc.sel[1];
-    } else if (cnt != need) {  // one key value: the first `need` of its keys
-        kp = -1;
-        tie = true;
+    } else if (cnt != need) {  // one key value: its need-th key in position order closes
+        u32 eq = 0u;
+        FOR_SLOTS(live, if (key[i] == kv) eq |= 1u << i;)
+        reg_group_counts<W>(eq, v);
+        reg_packed_scan<ACT, BAR, W>(v, nw, excl, total, sc.scan);
+        u32 run = 0u;
+#pragma unroll
+        for (int j = 0; j < J; ++j) {
+            if (j >= jn) break;
+            const u32 before = run + reg_field<W>(excl, j);
+            u32 g = (eq >> (4 * j)) & 15u;
+            if (before < need && before + (u32)__popc(g) >= need) {  // here: the (need - before)-th
+                const u32 r = need - before;  // 1..4
+#pragma unroll
+                for (u32 q = 1u; q < 4u; ++q)
+                    if (q < r) g &= g - 1u;  // drop the lowest set bit
+                sc.sel[1] = (u32)(REG_POS(4 * j) + __ffs(g) - 1);
+            }
+            run += reg_field<W>(total, j);
+        }
+        block_bar<ACT, BAR>();
+        kp = (int)sc.sel[1];
     }
 
-    // collect: per group, this thread's keys of the selection's first part (A) and of the tie
-    // value (T), packed A | T << 16 (each total at most n < 2^16); one block scan in (group,
-    // thread) order gives the keys before; a selected key goes to (A before) + (taken T before)
-    u32 amask = 0u, tmask = 0u, v[J];
-    FOR_LIVE(if (key[i] > kv || (key[i] == kv && REG_POS(i) <= kp)) amask |= 1u << i;
-             else if (tie && key[i] == kv) tmask |= 1u << i;)
-#pragma unroll
-    for (int j = 0; j < J; ++j)
-        v[j] = (u32)__popc((amask >> (4 * j)) & 15u) | ((u32)__popc((tmask >> (4 * j)) & 15u) << 16);
-    u32 incl[J];
+    // collect: per group, this thread's selected keys; one block scan in (group, thread) order
+    // gives the selected keys before; they go there in position order
+    const u32 upto = reg_slots_upto<J, ACT>(kp < n - 1 ? kp : n - 1, tid);
+    u32 gt = 0u, eq = 0u;
 #pragma unroll
     for (int j = 0; j < J; ++j) {
-        incl[j] = warp_incl_scan(v[j], lane);
-        if (lane == 31) sc.scan[j * WARPS + warp] = incl[j];
-    }
-    block_bar<ACT, BAR>();
-    u32 run = 0u, off[J];
-#pragma unroll
-    for (int j = 0; j < J; ++j) {
-        const u32 w = lane < WARPS ? sc.scan[j * WARPS + lane] : 0u;
-        const u32 s = warp_incl_scan(w, lane);
-        off[j] = run + __shfl_sync(FULL_MASK, s - w, warp) + incl[j] - v[j];
-        run += __shfl_sync(FULL_MASK, s, 31);
-    }
-    u32 ra = off[0] & 0xffffu, rt = off[0] >> 16;  // group 0's (the phase cut reads them here)
-    const bool any = (amask | tmask) != 0u;
-    if (!any) return;
-#pragma unroll
-    for (int j = 0; j < J; ++j) {
-        if ((((amask | tmask) >> (4 * j)) & 15u) == 0u) continue;  // nothing selected here
-        ra = off[j] & 0xffffu;
-        rt = off[j] >> 16;
-        u32 tb = rt < need ? rt : need;  // taken T keys before
+        if (j >= jn) break;
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
             const int i = 4 * j + c;
-            if ((amask >> i) & 1u) {
-                const u32 d = ra + tb;
-                if (d < (u32)k) o[d] = REG_POS(i);  // always true; guards a broken invariant
-                ++ra;
-            } else if ((tmask >> i) & 1u) {
-                if (rt < need) {
-                    const u32 d = ra + tb;
-                    if (d < (u32)k) o[d] = REG_POS(i);
-                    ++tb;
-                }
-                ++rt;
+            if (key[i] > kv) gt |= 1u << i;
+            if (key[i] == kv) eq |= 1u << i;
+        }
+    }
+    const u32 sel = (gt & live) | (eq & upto);
+    reg_group_counts<W>(sel, v);
+    reg_packed_scan<ACT, BAR, W>(v, nw, excl, total, sc.scan);
+    const u32 ra = excl[0], rt = total[0];  // the scan's results (the phase cut reads them here)
+    (void)ra;
+    (void)rt;
+    const bool any = sel != 0u;
+    if (!any) return;
+    u32 run = 0u;
+#pragma unroll
+    for (int j = 0; j < J; ++j) {
+        if (j >= jn) break;
+        u32 d = run + reg_field<W>(excl, j);
+        run += reg_field<W>(total, j);
+        const u32 g = (sel >> (4 * j)) & 15u;
+        if (d + (u32)__popc(g) > (u32)k) continue;  // never: guards a broken invariant
+        int* __restrict__ dst = o + d;
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            if ((g >> c) & 1u) {
+                *dst = REG_POS(4 * j + c);
+                ++dst;
             }
         }
     }
-#undef FOR_LIVE
+#undef FOR_SLOTS
 #undef REG_POS
 }
 
@@ -1168,7 +1245,12 @@ __device__ __forceinline__ void topk_cluster_row(const float* __restrict__ logit
 
     // shared memory only: may overlap the previous kernel (programmatic dependent launch)
     constexpr int words = C == 1 ? SOLO_WORDS : 2 * PASS_WORDS;  // hist.., glob..
-    for (int i = tid; i < words / 4; i += THREADS) reinterpret_cast<uint4*>(smem)[i] = make_uint4(0u, 0u, 0u, 0u);
+    constexpr int quads = words / 4;
+#pragma unroll
+    for (int r = 0; r < (quads + THREADS - 1) / THREADS; ++r) {
+        const int i = tid + r * THREADS;
+        if (quads % THREADS == 0 || i < quads) reinterpret_cast<uint4*>(smem)[i] = make_uint4(0u, 0u, 0u, 0u);
+    }
     grid_dependency_wait();  // every global read and write comes after the previous kernel's
 
     __shared__ BodyScratch sc;

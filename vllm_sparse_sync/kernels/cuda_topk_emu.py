@@ -257,7 +257,8 @@ def cluster_topk_row(x: torch.Tensor, k: int, cluster: int, *, threads: int = 10
     the bin's j-th key in position order is selected (else the first ``need`` are). A key of A or
     a taken key of T goes to ``ra + tb`` (A keys and taken T keys before it). A row held in
     registers (``in_registers``) scans its 4-key slices in (group, thread) order, which is
-    position order, and counts a listed bin's selected keys with A. Equal to ``topk_row`` (the
+    position order, and counts the bin's selected keys (listed, or a single value's first
+    ``need``) with A. Equal to ``topk_row`` (the
     specification)."""
     n = x.numel()
     out = _short_or_empty_row(n, k)
@@ -277,12 +278,13 @@ def cluster_topk_row(x: torch.Tensor, k: int, cluster: int, *, threads: int = 10
         ranked = sorted(tie_pos, key=lambda p: (-int(u[p]), p))
         chosen = set(ranked[: plan.need])
         taken = [p in chosen for p in tie_pos]
-        if regs:  # the selection closes at the last chosen key: the chosen keys count with A
-            above = [a or p in chosen for p, a in enumerate(above)]
-            tie = [False] * n
-            tie_pos, taken = [], []
     else:
         taken = [j < plan.need for j in range(len(tie_pos))]
+    if regs:  # the selection closes at the last chosen key: the chosen keys count with A
+        chosen = {p for p, t in zip(tie_pos, taken) if t}
+        above = [a or p in chosen for p, a in enumerate(above)]
+        tie = [False] * n
+        tie_pos, taken = [], []
     taken_before = [0]
     for t in taken:
         taken_before.append(taken_before[-1] + int(t))
