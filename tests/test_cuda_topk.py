@@ -128,6 +128,32 @@ def test_cluster_levels_list_small_bins():
     assert [emu.in_registers(n, t) for n, t in [(16384, 1024), (16385, 1024), (8192, 512), (8193, 512)]] == [
         True, False, True, False]
     assert emu.cluster_split(16385, 8, 16384) == emu.cluster_chunks(16385, 8)
+    # a split row whose chunks fit the registers of a 1024-thread launch
+    assert [emu.chunks_in_registers(n, c, 8192, threads=t) for n, c, t in [
+        (65536, 8, 1024), (131072, 8, 1024), (131073, 8, 1024), (131072, 4, 1024), (65536, 8, 512),
+        (16384, 8, 1024), (16385, 2, 1024)]] == [True, True, False, False, False, False, True]
+
+
+def _tie_across_chunks(n: int, cluster: int, k: int) -> torch.Tensor:
+    """One key value everywhere but a low run: the first chunk holds k // 2 of its keys, so the
+    k-th of them (in position order) lies in a later chunk."""
+    chunk = emu.cluster_chunks(n, cluster)[0][1]
+    x = torch.ones(n)
+    x[: chunk - k // 2] = 0.0
+    return x
+
+
+@pytest.mark.parametrize("cluster", [2, 4, 8])
+def test_chunks_in_registers_write_the_specification(cluster):
+    """A split row held in registers (every chunk at most 16384 keys on 1024 threads) writes the
+    specification's row: one key value taken across chunks, a list, an indexer-like row."""
+    g = torch.Generator().manual_seed(cluster)
+    n = 8192 * cluster + 12
+    cases = [_tie_across_chunks(n, cluster, 2048), torch.randn(n, generator=g).round(decimals=1),
+             torch.randn(n, generator=g) * 19 + 8.5]
+    for x in cases:
+        assert emu.chunks_in_registers(n, cluster, 8192)
+        assert torch.equal(emu.cluster_topk_row(x, 2048, cluster, cap=8192), emu.topk_row(x, 2048))
 
 
 def test_one_cta_bins_partition_the_keys():

@@ -156,7 +156,7 @@ def _listed_rows(n=40000):
     return torch.stack(rows)
 
 
-@pytest.mark.parametrize("route", [1, 2, 8])
+@pytest.mark.parametrize("route", [1, 2, 4, 8])
 def test_listed_bins_rank_by_key_then_position(route):
     from vllm_sparse_sync.kernels import cuda_topk_emu as emu
 
@@ -184,6 +184,33 @@ def test_listed_bins_in_registers_rank_by_key_then_position(route, width):
     rows[:, :12000] = x
     lens = torch.full((2,), 12000, dtype=torch.int32)
     got = _launch(rows.to(DEV), lens.to(DEV), torch.empty(2, K, dtype=torch.int32, device=DEV), route=route)
+    assert torch.equal(got.cpu(), emu.topk_indices(rows, lens, K))
+
+
+@pytest.mark.parametrize("cluster", [2, 4, 8])
+@pytest.mark.parametrize("exact", [True, False])
+def test_chunks_in_registers_write_the_emulated_row(cluster, exact):
+    """A row the cluster splits into chunks of at most 16384 keys runs from registers on every
+    CTA: one key value taken across chunks (the first chunk holds half of what is needed; on the
+    second row none), a 22-bit list, indexer-like rows of odd lengths; live lengths below a host
+    width whose tail would win if read. Element for element against the emulation."""
+    from test_cuda_topk import _tie_across_chunks
+
+    g = torch.Generator().manual_seed(cluster)
+    n = 8192 * cluster + 12
+    chunk = emu.cluster_chunks(n, cluster)[0][1]
+    none_first = torch.ones(n)
+    none_first[: chunk + 100] = 0.0
+    cases = [_tie_across_chunks(n, cluster, K), none_first, _listed_rows(n)[1],
+             torch.randn(n, generator=g) * 19 + 8.5, torch.randn(n - 3, generator=g) * 19 + 8.5]
+    width = max(c.numel() for c in cases) if exact else 16384 * cluster
+    rows = torch.full((len(cases), width), 1e30)
+    for r, c in enumerate(cases):
+        assert emu.chunks_in_registers(c.numel(), cluster, 8192)
+        rows[r, :c.numel()] = c
+    lens = torch.tensor([c.numel() for c in cases], dtype=torch.int32)
+    got = _launch(rows.to(DEV), lens.to(DEV), torch.empty(len(cases), K, dtype=torch.int32, device=DEV),
+                  route=cluster)
     assert torch.equal(got.cpu(), emu.topk_indices(rows, lens, K))
 
 

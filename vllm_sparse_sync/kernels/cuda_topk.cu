@@ -1026,28 +1026,40 @@ __device__ __forceinline__ void reg_packed_scan(const u32 (&v)[W], int nw, u32 (
     }
 }
 
-// one row of k < n <= 4 * CLUSTER_UNROLL * ACT live keys held in registers, on the first ACT of
-// the CTA's THREADS threads (cuda_topk_emu.cluster_topk_row, `in_registers`): active thread t
-// holds the positions j * 4 * ACT + 4 * t + c (group j < CLUSTER_UNROLL, c < 4). Every thread
-// brings the raw bits of positions u * 4 * THREADS + 4 * t + c in `first`; with ACT < THREADS
-// the others hand theirs over through `spare` ((THREADS - ACT) * 16 * ACT / THREADS words) and
-// leave after one barrier (BAR: the named barrier of the ACT threads). Shared memory:
-// SOLO_WORDS words, cleared. The passes of a one-CTA row (solo_bin, then refine passes over the
-// keys of [klo, khi]); a listed bin's keys are gathered unordered and ranked by (key, position),
-// and a single key value's keys are counted in position order: either way the last selected key
-// (kv, kp) closes the selection, keys above kv and kv itself at positions up to kp. The output
-// order comes from one block scan of the selected keys per (group, thread), which is position order.
-template <int THREADS, int ACT, int BAR>
-__device__ __forceinline__ void topk_reg_body(int n, int k, int* __restrict__ o, int nan_low,
+// one row of k < n live keys held in registers: C == 1, a row of at most 4 * CLUSTER_UNROLL *
+// ACT keys on the first ACT of the CTA's THREADS threads (cuda_topk_emu.in_registers); C > 1, this
+// CTA's chunk [lo, lo + len) of at most 4 * CLUSTER_UNROLL * THREADS keys, on every thread
+// (cuda_topk_emu.chunks_in_registers). Active thread t holds the chunk positions
+// j * 4 * ACT + 4 * t + c (group j < CLUSTER_UNROLL, c < 4). `first` holds the raw bits of positions
+// u * 4 * THREADS + 4 * t + c (C == 1 and a cluster's rank 0; the other ranks load their chunk
+// from `x`, its first key); with ACT < THREADS the others hand theirs over through `spare`
+// ((THREADS - ACT) * 16 * ACT / THREADS words) and leave after one barrier (BAR: the named
+// barrier of the ACT threads). Shared memory: SOLO_WORDS words (C == 1) or 2 * PASS_WORDS, cleared.
+// The passes of a one-CTA row (solo_bin) or of a cluster (u >> 21, every CTA's counts added into
+// every CTA's totals), then refine passes over the keys of [klo, khi]; a listed bin's keys are
+// gathered unordered (into every CTA's list) and ranked by (key, position), and a single key
+// value's keys are counted in position order (after the lower ranks' counts): either way the
+// last selected key (kv, kp) closes the selection, keys above kv and kv itself at positions up
+// to kp. The output order comes from one block scan of the selected keys per (group, thread),
+// which is position order, after the lower ranks' totals.
+template <int C, int THREADS, int ACT, int BAR, bool ALIGNED>
+__device__ __forceinline__ void topk_reg_body(const float* __restrict__ x, int n, int lo, int len, int k,
+                                              int* __restrict__ o, int nan_low, u32 rank,
                                               const FirstKeys& first, u32* spare, BodyScratch& sc) {
-    constexpr int J = CLUSTER_UNROLL, TIE = SOLO_TIE_MAX, WARPS = ACT / 32, G = ACT / TIE, W = J / 2;
+    constexpr bool multi = C > 1;
+    constexpr int J = CLUSTER_UNROLL, TIE = multi ? TIE_MAX : SOLO_TIE_MAX, WARPS = ACT / 32, G = ACT / TIE;
+    constexpr int W = J / 2, BINS_A = multi ? 2048 : 4096;
     constexpr int R = THREADS / ACT, OWN = J / R;  // OWN: groups of `first` an active thread keeps
     static_assert(ACT % TIE == 0 && G <= 32 && W * WARPS <= (int)(sizeof(sc.scan) / 4), "threads");
     static_assert(THREADS % ACT == 0 && J % R == 0 && J % 2 == 0 && (R == 1) == (BAR == 0), "active threads");
+    static_assert(!multi || R == 1, "a cluster's chunk runs on every thread");
     extern __shared__ __align__(16) u32 smem[];
-    u32* hist = smem;  // pass A's counts, then a third refine pass's, then the listed bin
-    u32* hist1 = hist + 4096;
+    u32* hist = smem;  // pass A's counts, then a third refine pass's (C == 1), then the listed bin
+    u32* hist1 = hist + BINS_A;
     u32* hist2 = hist1 + 2048;
+    u32* glob0 = hist2 + (multi ? 1024 : 2048);  // C > 1: the cluster's totals of each pass
+    u32* glob1 = glob0 + 2048;
+    u32* glob2 = glob1 + 2048;
     u32* s_tkey = hist;
     u32* s_tpos = hist + TIE;
     const int tid = threadIdx.x;
@@ -1057,24 +1069,29 @@ __device__ __forceinline__ void topk_reg_body(int n, int k, int* __restrict__ o,
         for (int u = 0; u < OWN; ++u)
             reinterpret_cast<uint4*>(spare)[((tid / ACT - 1) * OWN + u) * ACT + tid % ACT] = first.q[u];
     }
-    if (tid == 0) sc.tn = 0u;
+    if (tid == 0) sc.tn = 0u;  // (a cluster's list counts on rank 0's)
+    if (multi) cl_arrive();  // after the clears; waited for before the first remote access
     __syncthreads();  // the clears (and the hand-over) before the first add
     if (R > 1 && tid >= ACT) return;
-    const int jn = (n + 4 * ACT - 1) / (4 * ACT);  // the groups that hold live keys (block-uniform)
+    const int jn = (len + 4 * ACT - 1) / (4 * ACT);  // the groups that hold live keys (block-uniform)
     const int nw = (jn + 1) / 2;  // the packed words that hold them
     u32 key[4 * J];
 #pragma unroll
     for (int j = 0; j < J; ++j) {
         uint4 b = make_uint4(0u, 0u, 0u, 0u);
-        if (j < jn)
-            b = j % R == 0 ? first.q[j / R]
-                           : reinterpret_cast<const uint4*>(spare)[((j % R - 1) * OWN + j / R) * ACT + tid];
+        if (j < jn) {
+            if (multi)
+                b = rank == 0u ? first.q[j] : chunk_bits4<ALIGNED>(x, j * 4 * ACT + 4 * tid, len);
+            else
+                b = j % R == 0 ? first.q[j / R]
+                               : reinterpret_cast<const uint4*>(spare)[((j % R - 1) * OWN + j / R) * ACT + tid];
+        }
         key[4 * j + 0] = order_key(__uint_as_float(b.x), nan_low);
         key[4 * j + 1] = order_key(__uint_as_float(b.y), nan_low);
         key[4 * j + 2] = order_key(__uint_as_float(b.z), nan_low);
         key[4 * j + 3] = order_key(__uint_as_float(b.w), nan_low);
     }
-    const u32 live = reg_slots_upto<J, ACT>(n - 1, tid);
+    const u32 live = reg_slots_upto<J, ACT>(len - 1, tid);
 #define REG_POS(i) (((i) >> 2) * 4 * ACT + 4 * tid + ((i) & 3))
 // the slots i = 4 * j + c of this thread in MASK, group by group (the dead groups skipped)
 #define FOR_SLOTS(MASK, BODY)                            \
@@ -1085,11 +1102,22 @@ __device__ __forceinline__ void topk_reg_body(int n, int k, int* __restrict__ o,
             if (((MASK) >> i) & 1u) { BODY }             \
         }                                                \
     }
-    FOR_SLOTS(live, atomicAdd(&hist[solo_bin(key[i])], 1u);)
+    FOR_SLOTS(live, atomicAdd(&hist[multi ? key[i] >> 21 : solo_bin(key[i])], 1u);)
     block_bar<ACT, BAR>();
-    find_bin<ACT, BAR>(hist, 4096, (u32)k, sc.warp, sc.res);
+    const u32* totals = hist;
+    if (multi) {
+        cl_wait();
+        cl_push_hist<C, THREADS>(hist, glob0, BINS_A);
+        totals = glob0;
+    }
+    find_bin<ACT, BAR>(totals, BINS_A, (u32)k, sc.warp, sc.res);
     u32 klo, khi;
-    solo_bin_keys(sc.res[0], klo, khi);
+    if (multi) {
+        klo = sc.res[0] << 21;
+        khi = klo | 0x1fffffu;
+    } else {
+        solo_bin_keys(sc.res[0], klo, khi);
+    }
     u32 need = sc.res[1];
     u32 cnt = sc.res[2];
 
@@ -1101,13 +1129,19 @@ __device__ __forceinline__ void topk_reg_body(int n, int k, int* __restrict__ o,
         const int nbins = 1 << bits;
         const u32 mask = (u32)(nbins - 1), span = khi - klo;
         u32* h = pass == 1 ? hist1 : (pass == 2 ? hist2 : hist);
-        if (pass == 3) {
+        if (pass == 3) {  // one CTA only (a cluster's pass A leaves 21 bits: two passes)
             for (int i = tid; i < nbins; i += ACT) h[i] = 0u;
             block_bar<ACT, BAR>();
         }
         FOR_SLOTS(live, if (key[i] - klo <= span) atomicAdd(&h[(key[i] >> dsh) & mask], 1u);)
         block_bar<ACT, BAR>();
-        find_bin<ACT, BAR>(h, nbins, need, sc.warp, sc.res);
+        totals = h;
+        if (multi) {
+            u32* glob = pass == 1 ? glob1 : glob2;
+            cl_push_hist<C, THREADS>(h, glob, nbins);
+            totals = glob;
+        }
+        find_bin<ACT, BAR>(totals, nbins, need, sc.warp, sc.res);
         const u32 base = sh >= 32 ? 0u : (klo >> sh) << sh;
         const u32 dlo = base | (sc.res[0] << dsh), dhi = dlo | ((1u << dsh) - 1u);
         klo = klo > dlo ? klo : dlo;
@@ -1116,18 +1150,18 @@ __device__ __forceinline__ void topk_reg_body(int n, int k, int* __restrict__ o,
         cnt = sc.res[2];
     }
     // listed: the bin's keys (more than needed, at most TIE) are ranked by (key, position).
-    // The selection: keys above kv and kv itself at positions up to kp (the whole bin: kv = klo
-    // and every position; a single key value kv = klo, more of it than needed: its need-th
-    // position in position order)
+    // The selection: keys above kv and kv itself at chunk positions up to kp (the whole bin:
+    // kv = klo and every position; a single key value kv = klo, more of it than needed: its
+    // need-th position in row order, or none or every one of this chunk's)
     u32 kv = klo;
-    int kp = n - 1;
+    int kp = len - 1;
     u32 v[W], excl[W], total[W];
-    if (cnt != need && cnt <= (u32)TIE) {  // block-uniform
+    if (cnt != need && cnt <= (u32)TIE) {  // cluster-uniform
         const u32 span = khi - klo;
         u32 mine = 0u;  // this thread's slots in the bin: one shared add reserves their places
         FOR_SLOTS(live, if (key[i] - klo <= span) mine |= 1u << i;)
         if (mine != 0u) {
-            u32 slot = atomicAdd(&sc.tn, (u32)__popc(mine));
+            u32 slot = multi ? cl_atomic_add(&sc.tn, 0u, (u32)__popc(mine)) : atomicAdd(&sc.tn, (u32)__popc(mine));
 #pragma unroll
             for (int j = 0; j < J; ++j) {
                 if (((mine >> (4 * j)) & 15u) == 0u) continue;
@@ -1136,14 +1170,25 @@ __device__ __forceinline__ void topk_reg_body(int n, int k, int* __restrict__ o,
                     const int i = 4 * j + c;
                     if (!((mine >> i) & 1u)) continue;
                     if (slot < (u32)TIE) {  // always: the bin holds at most TIE keys
-                        s_tkey[slot] = key[i];
-                        s_tpos[slot] = (u32)REG_POS(i);
+                        if (multi) {  // into every CTA's list
+#pragma unroll
+                            for (int q = 0; q < C; ++q) {
+                                cl_store(&s_tkey[slot], (u32)q, key[i]);
+                                cl_store(&s_tpos[slot], (u32)q, (u32)(lo + REG_POS(i)));
+                            }
+                        } else {
+                            s_tkey[slot] = key[i];
+                            s_tpos[slot] = (u32)REG_POS(i);
+                        }
                     }
                     ++slot;
                 }
             }
         }
-        block_bar<ACT, BAR>();
+        if (multi)
+            cl_sync();
+        else
+            block_bar<ACT, BAR>();
         const u32 c = (u32)(tid / G);
         u32 vrank = 0, ck = 0, cp = 0;
         if (c < cnt) {
@@ -1162,20 +1207,29 @@ __device__ __forceinline__ void topk_reg_body(int n, int k, int* __restrict__ o,
         }
         block_bar<ACT, BAR>();
         kv = sc.sel[0];
-        kp = (int)sc.sel[1];
-    } else if (cnt != need) {  // one key value: its need-th key in position order closes
+        kp = (int)sc.sel[1] - lo;  // (below 0: none of kv in this chunk)
+    } else if (cnt != need) {  // one key value: its need-th key in row order closes
         u32 eq = 0u;
         FOR_SLOTS(live, if (key[i] == kv) eq |= 1u << i;)
         reg_group_counts<W>(eq, v);
         reg_packed_scan<ACT, BAR, W>(v, nw, excl, total, sc.scan);
+        u32 want = need;  // this chunk's keys of kv to take
+        if (multi) {  // after the lower ranks' (the exchange's odd words)
+            const u32 here = (total[0] & 0xffffu) + (total[0] >> 16) + (total[1] & 0xffffu) + (total[1] >> 16);
+            if (tid > (int)rank && tid < C) cl_store(&sc.cnt[2 * rank + 1], (u32)tid, here);
+            cl_sync();
+            u32 before = 0u;
+            for (int q = 0; q < (int)rank; ++q) before += sc.cnt[2 * q + 1];
+            want = need > before ? (need - before < here ? need - before : here) : 0u;
+        }
         u32 run = 0u;
 #pragma unroll
         for (int j = 0; j < J; ++j) {
             if (j >= jn) break;
             const u32 before = run + reg_field<W>(excl, j);
             u32 g = (eq >> (4 * j)) & 15u;
-            if (before < need && before + (u32)__popc(g) >= need) {  // here: the (need - before)-th
-                const u32 r = need - before;  // 1..4
+            if (before < want && before + (u32)__popc(g) >= want) {  // here: the (want - before)-th
+                const u32 r = want - before;  // 1..4
 #pragma unroll
                 for (u32 q = 1u; q < 4u; ++q)
                     if (q < r) g &= g - 1u;  // drop the lowest set bit
@@ -1184,12 +1238,12 @@ __device__ __forceinline__ void topk_reg_body(int n, int k, int* __restrict__ o,
             run += reg_field<W>(total, j);
         }
         block_bar<ACT, BAR>();
-        kp = (int)sc.sel[1];
+        kp = want == 0u ? -1 : (int)sc.sel[1];
     }
 
     // collect: per group, this thread's selected keys; one block scan in (group, thread) order
-    // gives the selected keys before; they go there in position order
-    const u32 upto = reg_slots_upto<J, ACT>(kp < n - 1 ? kp : n - 1, tid);
+    // (after the lower ranks' totals) gives the selected keys before; they go there in position order
+    const u32 upto = reg_slots_upto<J, ACT>(kp < len - 1 ? (kp < -1 ? -1 : kp) : len - 1, tid);
     u32 gt = 0u, eq = 0u;
 #pragma unroll
     for (int j = 0; j < J; ++j) {
@@ -1204,12 +1258,18 @@ __device__ __forceinline__ void topk_reg_body(int n, int k, int* __restrict__ o,
     const u32 sel = (gt & live) | (eq & upto);
     reg_group_counts<W>(sel, v);
     reg_packed_scan<ACT, BAR, W>(v, nw, excl, total, sc.scan);
-    const u32 ra = excl[0], rt = total[0];  // the scan's results (the phase cut reads them here)
+    u32 run = 0u;
+    if (multi) {  // this chunk's total into the higher ranks' (even) words; the last remote access
+        const u32 here = (total[0] & 0xffffu) + (total[0] >> 16) + (total[1] & 0xffffu) + (total[1] >> 16);
+        if (tid > (int)rank && tid < C) cl_store(&sc.cnt[2 * rank], (u32)tid, here);
+        cl_sync();  // CTAs may leave after it
+        for (int q = 0; q < (int)rank; ++q) run += sc.cnt[2 * q];
+    }
+    const u32 ra = excl[0], rt = total[0] ^ run;  // the scan's results (the phase cut reads them here)
     (void)ra;
     (void)rt;
     const bool any = sel != 0u;
     if (!any) return;
-    u32 run = 0u;
 #pragma unroll
     for (int j = 0; j < J; ++j) {
         if (j >= jn) break;
@@ -1221,7 +1281,7 @@ __device__ __forceinline__ void topk_reg_body(int n, int k, int* __restrict__ o,
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
             if ((g >> c) & 1u) {
-                *dst = REG_POS(4 * j + c);
+                *dst = lo + REG_POS(4 * j + c);
                 ++dst;
             }
         }
@@ -1276,9 +1336,10 @@ __device__ __forceinline__ void topk_cluster_row(const float* __restrict__ logit
         constexpr int ACT = SHORT_ACT < THREADS ? SHORT_ACT : THREADS;
         if (rank == 0u) {
             if (ACT < THREADS && n <= 4 * CLUSTER_UNROLL * ACT)
-                topk_reg_body<THREADS, ACT, (ACT < THREADS ? 1 : 0)>(n, k, o, nan_low, first, spare, sc);
+                topk_reg_body<1, THREADS, ACT, (ACT < THREADS ? 1 : 0), ALIGNED>(x, n, 0, n, k, o, nan_low, 0u, first,
+                                                                              spare, sc);
             else
-                topk_reg_body<THREADS, THREADS, 0>(n, k, o, nan_low, first, spare, sc);
+                topk_reg_body<1, THREADS, THREADS, 0, ALIGNED>(x, n, 0, n, k, o, nan_low, 0u, first, spare, sc);
         }
         return;
     }
@@ -1289,6 +1350,15 @@ __device__ __forceinline__ void topk_cluster_row(const float* __restrict__ logit
     // a short row runs on rank 0 alone, as with one CTA per row (cuda_topk_emu.cluster_split)
     if (n <= SOLO_MAX && n <= cap) {  // cluster-uniform; no barrier or remote access follows
         if (rank == 0u) topk_cluster_body<1, THREADS, ALIGNED, false>(x, n, k, o, nan_low, cap, 0u, first, sc);
+        return;
+    }
+    // a row whose chunks fit the registers runs from them on every CTA of a 1024-thread launch
+    // (cuda_topk_emu.chunks_in_registers; 512 threads have 64 registers each)
+    const int chunk = ((n + C - 1) / C + 3) & ~3;  // cuda_topk_emu.cluster_chunks
+    if (THREADS == 1024 && chunk <= REG_MAX) {  // cluster-uniform
+        const int lo = (int)rank * chunk;
+        const int len = n - lo < 0 ? 0 : (n - lo > chunk ? chunk : n - lo);
+        topk_reg_body<C, THREADS, THREADS, 0, ALIGNED>(x + lo, n, lo, len, k, o, nan_low, rank, first, nullptr, sc);
         return;
     }
     topk_cluster_body<C, THREADS, ALIGNED, false>(x, n, k, o, nan_low, cap, rank, first, sc);

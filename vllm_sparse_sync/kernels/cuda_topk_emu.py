@@ -152,6 +152,16 @@ def in_registers(n: int, threads: int) -> bool:
     return n <= 4 * REG_GROUPS * threads
 
 
+def chunks_in_registers(n: int, cluster: int, cap: int, threads: int = 1024) -> bool:
+    """Whether a row of ``n`` live keys that a cluster splits (not ``runs_solo``) runs from
+    registers on every CTA: a 1024-thread launch whose chunks (``cluster_chunks``) hold at most
+    ``4 * REG_GROUPS * threads`` keys each. Chunks start at multiples of 4, so their 4-key slices
+    are the row's."""
+    if threads != 1024 or runs_solo(n, cluster, cap, threads):
+        return False
+    return max(length for _, length in cluster_chunks(n, cluster)) <= 4 * REG_GROUPS * threads
+
+
 def runs_solo(n: int, cluster: int, cap: int, threads: int = 1024) -> bool:
     """Whether the cluster route runs a row of ``n`` live keys on one CTA's code."""
     return cluster == 1 or in_registers(n, threads) or n <= min(SOLO_MAX, cap)
@@ -256,10 +266,10 @@ def cluster_topk_row(x: torch.Tensor, k: int, cluster: int, *, threads: int = 10
     (key, position), and ``taken[j]`` says whether
     the bin's j-th key in position order is selected (else the first ``need`` are). A key of A or
     a taken key of T goes to ``ra + tb`` (A keys and taken T keys before it). A row held in
-    registers (``in_registers``) scans its 4-key slices in (group, thread) order, which is
-    position order, and counts the bin's selected keys (listed, or a single value's first
-    ``need``) with A. Equal to ``topk_row`` (the
-    specification)."""
+    registers (``in_registers``, or ``chunks_in_registers`` on every CTA) scans its 4-key slices
+    in (group, thread) order, chunk by chunk, which is position order, and counts the bin's
+    selected keys (listed, or a single value's first ``need``) with A. Equal to ``topk_row``
+    (the specification)."""
     n = x.numel()
     out = _short_or_empty_row(n, k)
     if n <= k:
@@ -273,7 +283,7 @@ def cluster_topk_row(x: torch.Tensor, k: int, cluster: int, *, threads: int = 10
     above = (u > plan.hi).tolist()
     tie = ((u >= plan.lo) & (u <= plan.hi)).tolist()
     tie_pos = [p for p in range(n) if tie[p]]
-    regs = in_registers(n, threads)
+    regs = in_registers(n, threads) or chunks_in_registers(n, cluster, cap, threads)
     if plan.listed:  # the ranking: key descending, then position ascending
         ranked = sorted(tie_pos, key=lambda p: (-int(u[p]), p))
         chosen = set(ranked[: plan.need])
