@@ -193,16 +193,19 @@ def test_chunks_in_registers_write_the_emulated_row(cluster, exact):
     """A row the cluster splits into chunks of at most 16384 keys runs from registers on every
     CTA: one key value taken across chunks (the first chunk holds half of what is needed; on the
     second row none), a 22-bit list, indexer-like rows of odd lengths; live lengths below a host
-    width whose tail would win if read. Element for element against the emulation."""
+    width whose tail would win if read; chunks as long as the registers hold and rows whose
+    live length splits into other chunks than the host width's. Element for element against the
+    emulation."""
     from test_cuda_topk import _tie_across_chunks
 
     g = torch.Generator().manual_seed(cluster)
-    n = 8192 * cluster + 12
+    n = 16384 * cluster - 100
     chunk = emu.cluster_chunks(n, cluster)[0][1]
     none_first = torch.ones(n)
     none_first[: chunk + 100] = 0.0
-    cases = [_tie_across_chunks(n, cluster, K), none_first, _listed_rows(n)[1],
-             torch.randn(n, generator=g) * 19 + 8.5, torch.randn(n - 3, generator=g) * 19 + 8.5]
+    cases = [_tie_across_chunks(n, cluster, K), none_first, _listed_rows(n)[1]]
+    # rows shorter than the widest: chunks other than the host width's
+    cases += [torch.randn(n - d, generator=g) * 19 + 8.5 for d in (0, 3, 40, 8000)]
     width = max(c.numel() for c in cases) if exact else 16384 * cluster
     rows = torch.full((len(cases), width), 1e30)
     for r, c in enumerate(cases):
