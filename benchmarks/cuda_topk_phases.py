@@ -7,14 +7,22 @@ CUDA-graph replay. Phase times are differences of cumulative times.
 A case is ``C:BxL`` (C CTAs per row, B rows of L live keys, host width L) or ``C:BxL/W`` (host
 width W: the plan a wider bound gets, e.g. a short row on a cluster's first CTA). ``--define
 SHORT_ACT=256`` compiles a variant of the source (a macro it leaves open); ``--stops 99`` times
-the whole kernel only (one compile).
+the whole kernel only (one compile). ``--source A.cu --source ''`` times copies side by side on
+the same inputs; ``--logits indexer --per-seed`` times benchmarks/indexer.py's logits of each seed
+on its own (the top-k's time follows how many keys share the threshold's bins). Only the kernels
+the cases launch are compiled, the cuts in parallel.
+
+    python benchmarks/cuda_topk_phases.py --logits indexer --per-seed --stops 99 \
+        --cases 8:1x131072 --source old.cu --source ''
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import ctypes
 import json
+import multiprocessing
 import os
 import re
 import sys
@@ -40,13 +48,49 @@ CUTS = [
     (4, "    if (!any) return;",
      "if (STOP_AT == 4) { if (tid == 0) o[0] = (int)(ra ^ rt); return; }\n"),
 ]
-STOPS = (0, 1, 2, 3, 4, 99)
-NAMES = {0: "launch (empty)", 1: "live length", 2: "load + pass A", 3: "refine", 4: "count + scan",
-         99: "write"}
+# finer cuts inside the register body (``--stops 0,1,11,12,2,21,22,3,31,32,4,99``)
+CUTS += [
+    (11, "    const u32* totals = hist;",
+     "if (STOP_AT == 11) { if (tid == 0) o[0] = (int)hist[7]; return; }\n"),
+    (12, "    find_bin<ACT, BAR>(totals, BINS_A",
+     "if (STOP_AT == 12) { if (tid == 0) o[0] = (int)totals[7]; return; }\n"),
+    (21, "        totals = h;",
+     "if (STOP_AT == 21) { if (tid == 0) o[0] = (int)h[7]; return; }\n"),
+    (22, "        const u32 base = sh >= 32 ? 0u : (klo >> sh) << sh;",
+     "if (STOP_AT == 22) { if (tid == 0) o[0] = (int)totals[7]; return; }\n"),
+    (31, "        const u32 c = (u32)(tid / G);",
+     "if (STOP_AT == 31) { if (tid == 0) o[0] = (int)s_tkey[1]; return; }\n"),
+    (32, "    // collect: per group",
+     "if (STOP_AT == 32) { if (tid == 0) o[0] = (int)(kv ^ kp); return; }\n"),
+]
+STOPS = (0, 1, 11, 12, 2, 21, 22, 3, 31, 32, 4, 99)
+DEFAULT_STOPS = (0, 1, 2, 3, 4, 99)
+NAMES = {0: "launch (empty)", 1: "live length", 11: "pass A counted", 12: "pass A pushed",
+         2: "load + pass A", 21: "refine counted", 22: "refine found", 3: "refine",
+         31: "listed gathered", 32: "selection closed", 4: "count + scan", 99: "write"}
 
 
-def cut_source(stop: int, defines: tuple[str, ...] = (), base: str | None = None) -> str:
-    text = "".join(f"#define {d.replace('=', ' ', 1)}\n" for d in defines) + (base or cuda_topk.source())
+INSTANCE = r"(TOPK_CLUSTER_KERNEL|TOPK_KERNEL|DCP_MERGE_KERNEL)\("
+
+
+def keep_kernels(text: str, keep: set[tuple[int, int]] | None) -> str:
+    """The source with only the aligned cluster kernels of ``keep`` ((C, threads) pairs)
+    instantiated (a fraction of the compile time); ``None``: all of them."""
+    if keep is None:
+        return text
+    wanted = {f"TOPK_CLUSTER_KERNEL({c}, {t}, 1)" for c, t in keep}
+    lines = [ln for ln in text.splitlines(keepends=True)
+             if not re.match(INSTANCE, ln) or ln.strip() in wanted]
+    missing = wanted - {ln.strip() for ln in lines}
+    if missing:
+        raise ValueError(f"the source instantiates none of {sorted(missing)}")
+    return "".join(lines)
+
+
+def cut_source(stop: int, defines: tuple[str, ...] = (), base: str | None = None,
+               keep: set[tuple[int, int]] | None = None) -> str:
+    text = "".join(f"#define {d.replace('=', ' ', 1)}\n" for d in defines) + keep_kernels(
+        base or cuda_topk.source(), keep)
     for _, anchor, code in CUTS:  # in each body that has the phase (registers, shared memory)
         assert text.count(anchor) >= 1, anchor
         text = text.replace(anchor, code + anchor)
@@ -68,6 +112,20 @@ def time_cut(mod, fn, plan, cluster: int, xs: list, lens, out, ncalls: int) -> f
     return graph_replay_us([call(xs[i % len(xs)]) for i in range(ncalls)], 20)
 
 
+def indexer_logits(B: int, L: int, W: int, seed: int) -> torch.Tensor:
+    """``[B, W]`` scores of our paged scorer over benchmarks/indexer.py's random inputs of ``seed``
+    (its copy 0)."""
+    from indexer import Inputs  # benchmarks/indexer.py
+
+    from vllm_sparse_sync.kernels import triton_ops as tk
+
+    return tk.paged_indexer_logits(*Inputs(B, L, 1, seed=seed).args(0), W)
+
+
+def _compile(arch: str, text: str) -> bytes:
+    return cuda_topk.compile_source(arch, text=text)[0]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", default="1:1x4096,8:1x65536,8:1x131072,8:8x65536,2:64x65536,1:128x8192")
@@ -75,15 +133,24 @@ def main() -> None:
     ap.add_argument("--mean", type=float, default=0.0, help="the logits' mean (normal)")
     ap.add_argument("--std", type=float, default=1.0,
                     help="the logits' standard deviation (the indexer benchmark's: about mean 8.5, std 19)")
+    ap.add_argument("--logits", choices=("normal", "indexer"), default="normal",
+                    help="normal: --mean/--std; indexer: our scorer's logits of random inputs "
+                         "(the indexer benchmark's; the width past L is -inf)")
+    ap.add_argument("--seeds", default="0,1,2,3", help="the input copies rotated (indexer: their seeds)")
     ap.add_argument("--define", action="append", default=[], metavar="NAME=VALUE",
                     help="a macro for the source (repeatable), e.g. SHORT_ACT=256")
-    ap.add_argument("--stops", default=",".join(str(s) for s in STOPS),
-                    help=f"the cuts to time, of {STOPS} (99: the whole kernel)")
-    ap.add_argument("--source", default=None, metavar="PATH",
-                    help="time this copy of cuda_topk.cu instead of the library's (e.g. an earlier commit's)")
+    ap.add_argument("--stops", default=",".join(str(s) for s in DEFAULT_STOPS),
+                    help=f"the cuts to time, of {STOPS} (99: the whole kernel; 11-32: inside the "
+                         "register body)")
+    ap.add_argument("--source", action="append", default=None, metavar="PATH",
+                    help="time this copy of cuda_topk.cu instead of the library's (e.g. an earlier "
+                         "commit's); "
+                         "repeatable: the copies side by side (--source '' names the library's)")
+    ap.add_argument("--per-seed", action="store_true", help="time each input copy (seed) on its own")
     ap.add_argument("--out", default=None, help="JSON path (default: $OUT/cuda_topk_phases.json if $OUT is set)")
     a = ap.parse_args()
     stops = tuple(int(s) for s in a.stops.split(","))
+    seeds = [int(s) for s in a.seeds.split(",")]
     if not set(stops) <= set(STOPS) or not stops:
         ap.error(f"--stops: a comma list of {STOPS}")
     bad = [d for d in a.define if not re.fullmatch(r"[A-Z_][A-Z0-9_]*=\w+", d)]
@@ -92,50 +159,68 @@ def main() -> None:
     if not torch.cuda.is_available():
         print("error: needs a CUDA device", file=sys.stderr)
         sys.exit(2)
-    base = None
-    if a.source:
-        with open(a.source) as fh:
-            base = fh.read()
+    sources = [src or None for src in a.source] if a.source else [None]  # None: the library's
+    bases = {}
+    for src in sources:
+        if src is not None:
+            with open(src) as fh:
+                bases[src] = fh.read()
     mod = cuda_topk.module_for(0)
     driver = mod.driver
     fake = types.SimpleNamespace(driver=driver, ctx=mod.ctx)
     major, minor = torch.cuda.get_device_capability()
-    modules = {}
-    for stop in stops:
-        cubin, _ = cuda_topk.compile_source(f"sm_{major}{minor}", text=cut_source(stop, tuple(a.define), base))
-        modules[stop] = cuda_topk._check(driver.cuModuleLoadData(cubin), "cuModuleLoadData")
-    attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-    rows_out = []
+    cases = []
     for case in a.cases.split(","):
         C, shape = case.split(":")
         C = int(C)
         shape, _, wide = shape.partition("/")
         B, L = (int(p) for p in shape.split("x"))
         W = int(wide) if wide else L
-        plan = cuda_topk.plan_cluster(B, W, mod.sm_count, mod.smem_optin, cluster=C)
+        cases.append((C, B, L, W, cuda_topk.plan_cluster(B, W, mod.sm_count, mod.smem_optin, cluster=C)))
+    keep = {(c[0], c[4].threads) for c in cases}
+    jobs = [(src, stop) for src in sources for stop in stops]
+    texts = [cut_source(stop, tuple(a.define), bases.get(src), keep) for src, stop in jobs]
+    arch = f"sm_{major}{minor}"
+    print(f"compiling {len(jobs)} cuts in parallel ...", flush=True)
+    spawn = multiprocessing.get_context("spawn")  # NVRTC only: no CUDA context in the workers
+    workers = min(len(jobs), os.cpu_count() or 1)
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=spawn) as pool:
+        cubins = list(pool.map(_compile, [arch] * len(texts), texts))
+    modules = {job: cuda_topk._check(driver.cuModuleLoadData(cubin), "cuModuleLoadData")
+               for job, cubin in zip(jobs, cubins)}
+    attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    rows_out = []
+    for C, B, L, W, plan in cases:
         name = cuda_topk.cluster_kernel_name(C, True, plan.threads).encode()
-        functions = {stop: cuda_topk._check(driver.cuModuleGetFunction(m, name), "get")
-                     for stop, m in modules.items()}
         g = torch.Generator(device="cuda").manual_seed(B + L)
-        xs = [torch.randn(B, W, device="cuda", generator=g) * a.std + a.mean for _ in range(4)]
+        if a.logits == "indexer":
+            xs = [indexer_logits(B, L, W, seed) for seed in seeds]
+        else:
+            xs = [torch.randn(B, W, device="cuda", generator=g) * a.std + a.mean for _ in seeds]
         lens = torch.full((B,), L, dtype=torch.int32, device="cuda")
         out = torch.empty(B, K, dtype=torch.int32, device="cuda")
-        res = {"C": C, "B": B, "L": L, "W": W, "cap": plan.cap, "threads": plan.threads, "mean": a.mean,
-               "std": a.std, "defines": a.define, "source": a.source}
-        for stop, fn in functions.items():
-            cuda_topk._check(driver.cuFuncSetAttribute(fn, attr, plan.smem), "smem")
-            res[NAMES[stop]] = time_cut(fake, fn, plan, C, xs, lens, out, a.ncalls)
-        rows_out.append(res)
-        prev = 0.0
-        parts = []
-        for stop in stops:
-            t = res[NAMES[stop]]
-            parts.append(f"{NAMES[stop]} {t - prev:+.2f}")
-            prev = t
-        print(f"C={C} B={B} L={L} W={W} cap={plan.cap} threads={plan.threads} {' '.join(a.define)} "
-              f"{a.source or ''} "
-              f"total {res[NAMES[stops[-1]]]:.2f} us: " + ", ".join(parts),
-              flush=True)
+        groups = [[i] for i in range(len(seeds))] if a.per_seed else [list(range(len(seeds)))]
+        for group in groups:
+            for src in sources:  # the sources side by side on the same inputs
+                res = {"C": C, "B": B, "L": L, "W": W, "cap": plan.cap, "threads": plan.threads,
+                       "logits": a.logits, "seeds": [seeds[i] for i in group], "mean": a.mean, "std": a.std,
+                       "defines": a.define, "source": src}
+                for stop in stops:
+                    fn = cuda_topk._check(driver.cuModuleGetFunction(modules[(src, stop)], name), "get")
+                    cuda_topk._check(driver.cuFuncSetAttribute(fn, attr, plan.smem), "smem")
+                    inputs = [xs[i] for i in group]
+                    res[NAMES[stop]] = time_cut(fake, fn, plan, C, inputs, lens, out, a.ncalls)
+                rows_out.append(res)
+                prev = 0.0
+                parts = []
+                for stop in stops:
+                    t = res[NAMES[stop]]
+                    parts.append(f"{NAMES[stop]} {t - prev:+.2f}")
+                    prev = t
+                print(f"C={C} B={B} L={L} W={W} cap={plan.cap} threads={plan.threads} seeds={res['seeds']} "
+                      f"{' '.join(a.define)} {src or 'library'} "
+                      f"total {res[NAMES[stops[-1]]]:.2f} us: " + ", ".join(parts),
+                      flush=True)
     path = a.out or (os.path.join(os.environ["OUT"], "cuda_topk_phases.json") if os.environ.get("OUT") else None)
     if path:
         with open(path, "w") as fh:

@@ -379,3 +379,43 @@ def test_status_says_why_without_a_device():
     if not torch.cuda.is_available():
         assert not ok and why == "no CUDA device"
     assert isinstance(why, str) and why
+
+
+def _phases_tool():
+    import importlib.util
+    import pathlib
+    import sys
+
+    bench = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
+    sys.path.insert(0, str(bench))  # its graph_timer
+    try:
+        spec = importlib.util.spec_from_file_location("cuda_topk_phases", bench / "cuda_topk_phases.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(str(bench))
+    return mod
+
+
+def test_phase_cuts_anchor_in_the_library_source():
+    """benchmarks/cuda_topk_phases.py: every cut finds its place in cuda_topk.cu (a refactor that
+    moves one fails here, not on the GPU host), and keeping one kernel drops every other one."""
+    ph = _phases_tool()
+    source = cuda_topk.source()
+    for stop, anchor, _ in ph.CUTS:
+        assert anchor in source, (stop, anchor)
+    text = ph.cut_source(22, keep={(8, 1024)})
+    assert text.startswith("#define STOP_AT 22\n") and "if (STOP_AT == 22)" in text
+    kernels = re.findall(r"^(?:TOPK_CLUSTER_KERNEL|TOPK_KERNEL|DCP_MERGE_KERNEL)\(.*$", text, flags=re.M)
+    assert kernels == ["TOPK_CLUSTER_KERNEL(8, 1024, 1)"]
+    with pytest.raises(ValueError, match="instantiates none"):
+        ph.keep_kernels(source, {(16, 1024)})
+
+
+@pytest.mark.skipif(not NVRTC_OK, reason=f"NVRTC unavailable: {NVRTC_WHY}")
+def test_phase_cut_compiles():
+    """The finest cuts inside the register body compile (one kept kernel: seconds)."""
+    ph = _phases_tool()
+    for stop in (22, 31):
+        cubin, _ = cuda_topk.compile_source("sm_90", text=ph.cut_source(stop, keep={(8, 1024), (1, 1024)}))
+        assert len(cubin) > 1000

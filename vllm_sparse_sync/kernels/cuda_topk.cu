@@ -583,6 +583,62 @@ __device__ __forceinline__ void cl_push_hist(const u32* hist, u32* glob, int nbi
     cl_sync();
 }
 
+__device__ __forceinline__ u32 cl_load(const u32* p, u32 rank) {
+    u32 v;
+    asm volatile("ld.shared::cluster.u32 %0, [%1];" : "=r"(v) : "r"(cl_map(p, rank)) : "memory");
+    return v;
+}
+
+// find_bin over one bin per thread: thread t holds v, the count of bin `bin` (bins in thread
+// order from the top down, none past the last); writes s_res as find_bin. Two barriers.
+template <int THREADS, int BAR = 0>
+__device__ __forceinline__ void find_bin_of_threads(u32 v, u32 bin, u32 need, u32* s_warp, u32* s_res) {
+    constexpr int WARPS = THREADS / 32;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const u32 incl = warp_incl_scan(v, lane);
+    __syncwarp();
+    if (lane == 31) s_warp[warp] = incl;
+    block_bar<THREADS, BAR>();
+    const u32 t = lane < WARPS ? s_warp[lane] : 0u;
+    const u32 excl = __shfl_sync(FULL_MASK, warp_incl_scan(t, lane) - t, warp) + incl - v;
+    if (excl < need && excl + v >= need) {
+        s_res[0] = bin;
+        s_res[1] = need - excl;
+        s_res[2] = v;
+    }
+    block_bar<THREADS, BAR>();
+}
+
+// find_bin on the cluster's totals of this CTA's counts `hist` (complete; nbins = 2^bits, at
+// least 32 * C, at most C * THREADS): bin b's count goes to its owner only (CTA b / (nbins / C),
+// into `glob`), a range's count to every CTA (`part`, C words; `rng`: C local words; both
+// cleared); after one cluster barrier each CTA reads the range that holds the need-th key from
+// its owner. The same s_res as find_bin on the totals.
+template <int C, int THREADS>
+__device__ __forceinline__ void cl_find_bin(const u32* hist, u32* glob, u32* rng, u32* part, int bits, u32 need,
+                                            u32* s_warp, u32* s_res) {
+    static_assert(C == 1 || C == 2 || C == 4 || C == 8, "cluster size");  // (C == 1: not called)
+    constexpr int LOG_C = C == 8 ? 3 : (C == 4 ? 2 : (C == 2 ? 1 : 0));
+    const int tid = threadIdx.x, lane = tid & 31;
+    const int rbits = bits - LOG_C;  // a range's 2^rbits bins (a warp's share an owner)
+    const int nbins = 1 << bits, rs = 1 << rbits;
+    for (int b = tid; b < nbins; b += THREADS) {  // warp-uniform
+        const u32 v = hist[b], r = (u32)(b >> rbits);
+        if (v != 0u) cl_add(glob + b, r, v);
+        const u32 w = __reduce_add_sync(FULL_MASK, v);
+        if (lane == 0 && w != 0u) atomicAdd(&rng[r], w);
+    }
+    __syncthreads();
+    if (tid < C * C && rng[tid % C] != 0u) cl_add(&part[tid % C], (u32)(tid / C), rng[tid % C]);
+    cl_sync();
+    u32 above = 0u;
+    int own = C - 1;  // the range of the need-th key from the top
+    for (; own > 0 && above + part[own] < need; --own) above += part[own];
+    const u32 bin = (u32)(own * rs + rs - 1 - tid);
+    const u32 v = tid < rs ? cl_load(glob + bin, (u32)own) : 0u;
+    find_bin_of_threads<THREADS>(v, bin, need - above, s_warp, s_res);
+}
+
 // the raw bits of positions i..i+3 of the chunk (0 at or past lim); x points at its first position
 template <bool ALIGNED>
 __device__ __forceinline__ uint4 chunk_bits4(const float* __restrict__ x, int i, int lim) {
@@ -717,6 +773,8 @@ struct BodyScratch {
     u32 sel[2];
     u32 cnt[2 * 8];
     u32 tn;
+    u32 rng[2][8];  // cl_find_bin's local range counts of the refine passes (cleared at the start)
+    u32 part[2][8];  // and the cluster's
 };
 
 // one row (`logits` at its first score) of n > k live keys, on this CTA (`rank` of C) of a
@@ -1036,9 +1094,10 @@ __device__ __forceinline__ void reg_packed_scan(const u32 (&v)[W], int nw, u32 (
 // ((THREADS - ACT) * 16 * ACT / THREADS words) and leave after one barrier (BAR: the named
 // barrier of the ACT threads). Shared memory: SOLO_WORDS words (C == 1) or 2 * PASS_WORDS, cleared.
 // The passes of a one-CTA row (solo_bin) or of a cluster (u >> 21, every CTA's counts added into
-// every CTA's totals), then refine passes over the keys of [klo, khi]; a listed bin's keys are
-// gathered unordered (into every CTA's list) and ranked by (key, position), and a single key
-// value's keys are counted in position order (after the lower ranks' counts): either way the
+// every CTA's totals), then refine passes over the keys of [klo, khi] (a cluster's: each bin's
+// counts added at its owner only, cl_find_bin: its bins are many, mostly of one key); a listed
+// bin's keys are gathered unordered (into every CTA's list) and ranked by (key, position), and a
+// single key value's keys are counted in position order (after the lower ranks' counts): either way the
 // last selected key (kv, kp) closes the selection, keys above kv and kv itself at positions up
 // to kp. The output order comes from one block scan of the selected keys per (group, thread),
 // which is position order, after the lower ranks' totals.
@@ -1070,6 +1129,7 @@ __device__ __forceinline__ void topk_reg_body(const float* __restrict__ x, int n
             reinterpret_cast<uint4*>(spare)[((tid / ACT - 1) * OWN + u) * ACT + tid % ACT] = first.q[u];
     }
     if (tid == 0) sc.tn = 0u;  // (a cluster's list counts on rank 0's)
+    if (multi && tid < 32) (tid < 16 ? &sc.rng[0][0] : &sc.part[0][0])[tid % 16] = 0u;
     if (multi) cl_arrive();  // after the clears; waited for before the first remote access
     __syncthreads();  // the clears (and the hand-over) before the first add
     if (R > 1 && tid >= ACT) return;
@@ -1107,7 +1167,7 @@ __device__ __forceinline__ void topk_reg_body(const float* __restrict__ x, int n
     const u32* totals = hist;
     if (multi) {
         cl_wait();
-        cl_push_hist<C, THREADS>(hist, glob0, BINS_A);
+        cl_push_hist<C, THREADS>(hist, glob0, BINS_A);  // (few bins: cheaper than cl_find_bin)
         totals = glob0;
     }
     find_bin<ACT, BAR>(totals, BINS_A, (u32)k, sc.warp, sc.res);
@@ -1138,10 +1198,15 @@ __device__ __forceinline__ void topk_reg_body(const float* __restrict__ x, int n
         totals = h;
         if (multi) {
             u32* glob = pass == 1 ? glob1 : glob2;
-            cl_push_hist<C, THREADS>(h, glob, nbins);
-            totals = glob;
+            if (nbins >= 32 * C) {
+                cl_find_bin<C, THREADS>(h, glob, sc.rng[pass - 1], sc.part[pass - 1], bits, need, sc.warp, sc.res);
+            } else {
+                cl_push_hist<C, THREADS>(h, glob, nbins);
+                find_bin<ACT, BAR>(glob, nbins, need, sc.warp, sc.res);
+            }
+        } else {
+            find_bin<ACT, BAR>(totals, nbins, need, sc.warp, sc.res);
         }
-        find_bin<ACT, BAR>(totals, nbins, need, sc.warp, sc.res);
         const u32 base = sh >= 32 ? 0u : (klo >> sh) << sh;
         const u32 dlo = base | (sc.res[0] << dsh), dhi = dlo | ((1u << dsh) - 1u);
         klo = klo > dlo ? klo : dlo;
