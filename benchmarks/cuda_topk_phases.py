@@ -5,7 +5,8 @@ CUDA-graph replay. Phase times are differences of cumulative times.
     python benchmarks/cuda_topk_phases.py [--cases 1:1x4096,8:1x65536,2:64x65536]
 
 A case is ``C:BxL`` (C CTAs per row, B rows of L live keys, host width L) or ``C:BxL/W`` (host
-width W: the plan a wider bound gets, e.g. a short row on a cluster's first CTA). ``--define
+width W: the plan a wider bound gets, e.g. a short row on a cluster's first CTA), with ``@T`` at
+the end for a launch of T threads per CTA (default 1024). ``--define
 SHORT_ACT=256`` compiles a variant of the source (a macro it leaves open); ``--stops 99`` times
 the whole kernel only (one compile). ``--source A.cu --source ''`` times copies side by side on
 the same inputs; ``--logits indexer --per-seed`` times benchmarks/indexer.py's logits of each seed
@@ -174,9 +175,11 @@ def main() -> None:
         C, shape = case.split(":")
         C = int(C)
         shape, _, wide = shape.partition("/")
-        B, L = (int(p) for p in shape.split("x"))
-        W = int(wide) if wide else L
-        cases.append((C, B, L, W, cuda_topk.plan_cluster(B, W, mod.sm_count, mod.smem_optin, cluster=C)))
+        B, L = (int(p) for p in shape.partition("@")[0].split("x"))
+        W = int(wide.partition("@")[0]) if wide else L
+        threads = int(wide.partition("@")[2] or shape.partition("@")[2] or 1024)
+        cases.append((C, B, L, W, cuda_topk.plan_cluster(B, W, mod.sm_count, mod.smem_optin, cluster=C,
+                                                         threads=threads)))
     keep = {(c[0], c[4].threads) for c in cases}
     jobs = [(src, stop) for src in sources for stop in stops]
     texts = [cut_source(stop, tuple(a.define), bases.get(src), keep) for src, stop in jobs]

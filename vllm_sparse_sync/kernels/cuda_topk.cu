@@ -1196,14 +1196,9 @@ __device__ __forceinline__ void topk_reg_body(const float* __restrict__ x, int n
         FOR_SLOTS(live, if (key[i] - klo <= span) atomicAdd(&h[(key[i] >> dsh) & mask], 1u);)
         block_bar<ACT, BAR>();
         totals = h;
-        if (multi) {
-            u32* glob = pass == 1 ? glob1 : glob2;
-            if (nbins >= 32 * C) {
-                cl_find_bin<C, THREADS>(h, glob, sc.rng[pass - 1], sc.part[pass - 1], bits, need, sc.warp, sc.res);
-            } else {
-                cl_push_hist<C, THREADS>(h, glob, nbins);
-                find_bin<ACT, BAR>(glob, nbins, need, sc.warp, sc.res);
-            }
+        if (multi) {  // 2048 bins, then 1024 (pass A leaves 21 bits): at least 32 * C
+            cl_find_bin<C, THREADS>(h, pass == 1 ? glob1 : glob2, sc.rng[pass - 1], sc.part[pass - 1], bits, need,
+                                    sc.warp, sc.res);
         } else {
             find_bin<ACT, BAR>(totals, nbins, need, sc.warp, sc.res);
         }
