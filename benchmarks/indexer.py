@@ -13,9 +13,9 @@ exceed L2. Shapes are docs/design.md's (H=64, D=128, k=2048). Peers are measured
 checkout holds ``.peers/`` (DeepGEMM paged MQA logits) or ``.peers_topk/`` (vLLM top-k ops),
 made by ``benchmarks/peers.sh``, or ``.peers_fi/`` (FlashInfer's native top-k headers, made by
 ``benchmarks/peers_flashinfer.sh``, compiled here with nvcc) or ``.peers_sgl/`` (SGLang's
-top-k cubin, ``benchmarks/peers_sglang.sh``); ``.peers_topk``, ``.peers_fi`` and ``.peers_sgl``
-fit one device transfer together, ``.peers`` does not, so DeepGEMM may come from a separate run
-(--combine). The best of the peer top-k times measured (with a passing set check) is what
+top-k cubin, ``benchmarks/peers_sglang.sh``); all four fit one device transfer together (about
+26 MB, vLLM's library trimmed to its sm_90 code), so every peer is timed in the same run
+(``--combine`` still merges separate runs). The best of the peer top-k times measured (with a passing set check) is what
 ``topk_over_best_peer`` divides by.
 """
 
@@ -113,17 +113,20 @@ class Inputs:
 
 def bench_ours(inp: Inputs, ncalls: int, config, res: dict, algos: tuple[str, ...] = ()) -> None:
     from vllm_sparse_sync.kernels import triton_ops as tk
-    from vllm_sparse_sync.kernels.triton_scorer import launch_score
+    from vllm_sparse_sync.kernels.route import TRITON
+    from vllm_sparse_sync.kernels.scorer import launch_score
 
     B, L = inp.B, inp.L
     ws = IndexerTopkWorkspace(max(B, SERVING_ROWS), TOPK, WIDE, DEV, config=config)
     out = torch.empty(B, TOPK, dtype=torch.int32, device=DEV)
     active = torch.tensor([L], dtype=torch.int32, device=DEV)
     splits = unfused_splits(B, L, config)
+    kind = ws.route(B, L, PAGE).scorer
+    res["scorer_kind"] = kind
 
-    def scorer(i):  # the step's scorer alone: live columns only, no histogram
-        return lambda: launch_score(*inp.args(i), None, ws.logits, page_size=PAGE,
-                                    sel_width=L, fill_width=0, splits=splits, config=config.scorer)
+    def scorer(i, cfg=config.scorer, logits=ws.logits, kind=kind):  # the step's scorer alone
+        return lambda: launch_score(*inp.args(i), None, logits, page_size=PAGE, sel_width=L, fill_width=0,
+                                    splits=splits, config=cfg, kind=kind)
 
     def step(i, width, act=None):
         return lambda: tk.indexer_topk(*inp.args(i, width == WIDE), TOPK, active_width=act, width=width,
@@ -133,9 +136,15 @@ def bench_ours(inp: Inputs, ncalls: int, config, res: dict, algos: tuple[str, ..
     # the same step with the fp8 tensor-core dot (DeepGEMM's numerics) instead of the exact fp16 one
     cfg8 = config.with_values(**{"scorer.precise": False})
     ws8 = IndexerTopkWorkspace(B, TOPK, L, DEV, config=cfg8)
-    res["scorer_fp8_us"] = timeit(lambda i: lambda: launch_score(
-        *inp.args(i), None, ws8.logits, page_size=PAGE, sel_width=L, fill_width=0,
-        splits=splits, config=cfg8.scorer), ncalls)
+    kind8 = ws8.route(B, L, PAGE).scorer
+    res["scorer_fp8_us"] = timeit(lambda i: scorer(i, cfg8.scorer, ws8.logits, kind8), ncalls)
+    if kind != TRITON:  # the Triton scorer beside it and the step it makes; the CUDA e4m3 kernel
+        res["scorer_triton_us"] = timeit(lambda i: scorer(i, kind=TRITON), ncalls)
+        res["scorer_cuda_fp8_us"] = timeit(lambda i: scorer(i, cfg8.scorer, ws8.logits, kind), ncalls)
+        ws_t = IndexerTopkWorkspace(max(B, SERVING_ROWS), TOPK, WIDE, DEV,
+                                    config=config.with_values(**{"scorer.cuda": False}))
+        res["step_triton_us"] = timeit(lambda i: lambda: tk.indexer_topk(
+            *inp.args(i), TOPK, width=L, workspace=ws_t, out=out), ncalls)
     res["step_fp8_us"] = timeit(lambda i: lambda: tk.indexer_topk(
         *inp.args(i), TOPK, width=L, workspace=ws8, out=out), ncalls)
     res["step_us"] = timeit(lambda i: step(i, L), ncalls)
@@ -186,6 +195,12 @@ def bench_ours(inp: Inputs, ncalls: int, config, res: dict, algos: tuple[str, ..
     dense = tk.paged_indexer_logits(*inp.args(0), L)
     rows = min(B, 2)
     bad = topk_violations(got[:rows], dense[:rows], inp.lens[:rows], TOPK, tol=1e-3)
+    if kind != TRITON:  # the step's selection on the Triton scorer's logits too
+        dense_t = tk.paged_indexer_logits(*inp.args(0), L, config=config.with_values(**{"scorer.cuda": False}))
+        bad = bad or topk_violations(got[:rows], dense_t[:rows], inp.lens[:rows], TOPK, tol=1e-3)
+        fin = torch.isfinite(dense_t[:rows])
+        res["scorer_vs_triton_max_rel"] = float(((dense[:rows] - dense_t[:rows]).abs()[fin]).max()
+                                                / dense_t[:rows][fin].abs().max())
     res["fused_stalls"] = ws.stalled_rows()  # rows whose barriers gave up (marked -1): must be 0
     res["step_check"] = "ok" if not bad and not res["fused_stalls"] else (bad or ["stalled rows"])[0]
     if B * L <= 65536:  # the torch reference scorer (Python loop over rows, host syncs): eager timing
@@ -449,7 +464,8 @@ def derive(res: dict, bw: float) -> dict:
 COLS = [("B", "{}"), ("L", "{}"), ("route", "{}"), ("scorer_us", "{:.1f}"), ("topk_us", "{:.1f}"),
         ("step_us", "{:.1f}"), ("step_unfused_us", "{:.1f}"), ("step_fused_us", "{:.1f}"),
         ("scorer_tbs", "{:.2f}"), ("scorer_pct_copy", "{:.0f}"), ("wide_over_exact", "{:.3f}"),
-        ("scorer_fp8_us", "{:.1f}"), ("step_fp8_us", "{:.1f}"), ("topk_sample_us", "{:.1f}"),
+        ("scorer_fp8_us", "{:.1f}"), ("step_fp8_us", "{:.1f}"), ("scorer_triton_us", "{:.1f}"),
+        ("scorer_cuda_fp8_us", "{:.1f}"), ("step_triton_us", "{:.1f}"), ("topk_sample_us", "{:.1f}"),
         ("topk_cuda_radix_us", "{:.1f}"),
         ("step_sample_us", "{:.1f}"), ("topk_radix_us", "{:.1f}"), ("step_radix_us", "{:.1f}"),
         ("torch_topk_us", "{:.1f}"), ("deepgemm_us", "{:.1f}"), ("vllm_persistent_topk_us", "{:.1f}"),

@@ -297,8 +297,10 @@ def test_capture_write_index_k_cache():
 
 
 @pytest.mark.parametrize(
-    "variant", [{"scorer.precise": False}, {"scorer.tile": 32}, {"scorer.stages": 2},
-                {"scorer.tile": 128, "topk.block": 512}, {"topk.algo": "sample"},
+    "variant", [{"scorer.precise": False}, {"scorer.cuda": False}, {"scorer.cuda": False, "scorer.precise": False},
+                {"scorer.cuda": False, "scorer.tile": 32}, {"scorer.cuda": False, "scorer.stages": 2},
+                {"scorer.cuda": False, "scorer.tile": 128, "topk.block": 512},
+                {"scorer.cuda": False, "scorer.launch_dependents": False}, {"topk.algo": "sample"},
                 {"topk.algo": "sample", "topk.cap": 4096, "topk.samples": 512, "topk.resolve_block": 1024,
                  "topk.resolve_warps": 4}, {"topk.algo": "sample", "topk.sample_above": 2048},
                 {"fused.enabled": True}, {"fused.enabled": True, "scorer.precise": False},
@@ -306,7 +308,8 @@ def test_capture_write_index_k_cache():
     ids=lambda v: ",".join(f"{k}={x}" for k, x in v.items()),
 )
 def test_config_variants(variant):
-    """Other fixed configurations: fp8 tensor-core dot (looser scores), Triton pipeliner, tiles."""
+    """Other fixed configurations: fp8 tensor-core dot (looser scores), the Triton scorer (where
+    the CUDA one is the default) with its pipeliner and tiles."""
     from vllm_sparse_sync.kernels.config import DEFAULT_CONFIG
     from vllm_sparse_sync.kernels.workspace import IndexerTopkWorkspace
 

@@ -44,8 +44,18 @@ class ScorerConfig:
     precise: bool = True
     """fp16 dot of the e4m3 values (exact products, fp32 sums, as the reference); False: the fp8
     tensor-core dot (~14 mantissa bits in its sums, as DeepGEMM)."""
+    cuda: bool = True
+    """The exact path on the NVRTC-compiled wgmma scorer (``cuda_scorer``) on compute capability
+    9.0 where it can take the call (64-token pages, head dim 128, 32 or 64 heads); False: always
+    Triton (the e4m3 path always is). ``tile``, ``warps`` and ``stages`` are the Triton kernel's."""
+    launch_dependents: bool = True
+    """Each program lets the next kernel launch as it starts (``griddepcontrol.launch_dependents``,
+    where Triton has it): the step's CUDA top-k, a programmatic dependent launch, is then resident
+    and waiting when the scores are done; it still reads them only after the whole scorer."""
 
     def __post_init__(self) -> None:
+        _flag("scorer.cuda", self.cuda)
+        _flag("scorer.launch_dependents", self.launch_dependents)
         _pow2("scorer.tile", self.tile)
         _pow2("scorer.warps", self.warps)
         _positive("scorer.stages", self.stages)

@@ -204,10 +204,11 @@ def _check(result, what: str):
 
 
 def compile_source(
-    arch: str, *, output: str = "cubin", extra_options: tuple[str, ...] = (), text: str | None = None
+    arch: str, *, output: str = "cubin", extra_options: tuple[str, ...] = (), text: str | None = None,
+    name: str = "cuda_topk.cu",
 ) -> tuple[bytes, str]:
-    """NVRTC-compile ``cuda_topk.cu`` (or ``text``) for ``arch`` (e.g. ``"sm_90"``):
-    ``(ptx or cubin bytes, log)``.
+    """NVRTC-compile ``cuda_topk.cu`` (or ``text``, called ``name`` in messages) for ``arch``
+    (e.g. ``"sm_90"``, ``"sm_90a"``): ``(ptx or cubin bytes, log)``.
 
     Needs no GPU. ``output="ptx"`` compiles for the virtual ``compute_XX`` arch.
     """
@@ -217,7 +218,7 @@ def compile_source(
     num = arch.split("_", 1)[1]
     target = f"compute_{num}" if output == "ptx" else f"sm_{num}"
     prog = _check(
-        nvrtc.nvrtcCreateProgram((source() if text is None else text).encode(), b"cuda_topk.cu", 0, [], []),
+        nvrtc.nvrtcCreateProgram((source() if text is None else text).encode(), name.encode(), 0, [], []),
         "nvrtcCreateProgram",
     )
     try:
@@ -228,7 +229,7 @@ def compile_source(
         nvrtc.nvrtcGetProgramLog(prog, log)
         log_text = log.decode(errors="replace").rstrip("\x00 \n")
         if int(err) != 0:
-            raise CompileError(f"NVRTC failed to compile cuda_topk.cu for {arch}:\n{log_text}")
+            raise CompileError(f"NVRTC failed to compile {name} for {arch}:\n{log_text}")
         if output == "ptx":
             size = _check(nvrtc.nvrtcGetPTXSize(prog), "nvrtcGetPTXSize")
             buf = b" " * size

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from .config import DEFAULT_CONFIG, KernelConfig
 
 FUSED, RADIX, SAMPLE, CUDA_RADIX = "fused", "radix", "sample", "cuda_radix"
+CUDA, TRITON = "cuda", "triton"
+"""the unfused route's scorer kernel: the CUDA wgmma kernel (``cuda_scorer``) or Triton's"""
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,8 @@ class DeviceInfo:
     cluster_smem: int = 0
     """Shared memory bytes one CTA of the CUDA top-k's cluster route may use (0: no cluster
     route: before sm_90, or no CUDA top-k)."""
+    cuda_scorer: bool = False
+    """Whether the CUDA wgmma scorer can run (compute capability 9.0, NVRTC present)."""
 
 
 @dataclass(frozen=True)
@@ -61,6 +65,9 @@ class Route:
     fused_tiles: int = 0
     """Fused: most page tiles per program (a power of two, the register tile). A row's programs
     take contiguous chunks of ``cdiv(live tiles, fused_parts)`` tiles, never more than this."""
+    scorer: str = TRITON
+    """Unfused: the scorer kernel, ``CUDA`` or ``TRITON`` (a call whose tensors the CUDA kernel is
+    not built for runs on Triton: ``cuda_scorer.takes``)."""
 
     @property
     def fused(self) -> bool:
@@ -95,6 +102,15 @@ def fused_grid(rows: int, width: int, page: int, slots: int, max_keys: int,
 def score_splits(rows: int, num_sms: int, config: KernelConfig = DEFAULT_CONFIG) -> int:
     """Scorer programs per row for a call of ``rows`` rows."""
     return max(1, num_sms * config.scorer.ctas_per_sm // max(rows, 1))
+
+
+def scorer_for(page: int, device: DeviceInfo, config: KernelConfig = DEFAULT_CONFIG) -> str:
+    """The unfused scorer kernel: ``CUDA`` for the exact path (``scorer.precise``) where the
+    device can run it, ``config.scorer.cuda`` asks for it and pages are 64 tokens (the kernel's
+    tile), else ``TRITON`` (also for the e4m3 path, where Triton's kernel measured faster:
+    benchmarks/NOTES.md, run 63)."""
+    sc = config.scorer
+    return CUDA if device.cuda_scorer and sc.cuda and sc.precise and page == 64 else TRITON
 
 
 def topk_algo_for(rows: int, config: KernelConfig = DEFAULT_CONFIG, device: DeviceInfo | None = None) -> str:
@@ -132,6 +148,7 @@ def plan_route(rows: int, width: int, page: int, device: DeviceInfo,
             return Route(FUSED, rows, fused_parts=grid[0], fused_tiles=grid[1])
     r = max(rows, 1)
     splits = score_splits(rows, sms, config) if score else 0
+    scorer = scorer_for(page, device, config) if score else TRITON
     algo = topk_algo_for(rows, config, device)
     if algo == CUDA_RADIX:
         plan = None
@@ -140,8 +157,8 @@ def plan_route(rows: int, width: int, page: int, device: DeviceInfo,
 
             plan = plan_cluster(rows, width, sms, device.cluster_smem)
         if plan is None:  # one CTA per row
-            return Route(CUDA_RADIX, rows, score_splits=splits, topk_chunks=1)
+            return Route(CUDA_RADIX, rows, score_splits=splits, topk_chunks=1, scorer=scorer)
         return Route(CUDA_RADIX, rows, score_splits=splits, topk_chunks=plan.cluster,
-                     topk_cluster=plan.cluster, topk_cap=plan.cap)
+                     topk_cluster=plan.cluster, topk_cap=plan.cap, scorer=scorer)
     chunks = max(1, min(config.topk.max_chunks, sms * config.topk.ctas_per_sm // r))
-    return Route(algo, rows, score_splits=splits, topk_chunks=chunks)
+    return Route(algo, rows, score_splits=splits, topk_chunks=chunks, scorer=scorer)

@@ -14,7 +14,7 @@ from .config import DEFAULT_CONFIG, KernelConfig
 from .route import CUDA_RADIX, SAMPLE, Route, score_splits
 from .triton_cache import write_k_cache_kernel
 from .triton_fused import launch_fused_step
-from .triton_scorer import launch_score
+from .scorer import launch_score
 from .triton_topk import launch_radix_topk
 from .triton_topk_sample import launch_sample_topk
 from .workspace import IndexerTopkWorkspace
@@ -258,6 +258,7 @@ def indexer_topk(
     launch_score(
         q_fp8, weights, k_cache, block_table, row_lens, active_width, logits, page_size=page,
         sel_width=width, fill_width=0, splits=route.score_splits, config=ws.config.scorer,
+        kind=route.scorer,
     )
     _launch_topk(route, logits, row_lens, active_width, ws, out, k, width, nan_low=False)
     return out

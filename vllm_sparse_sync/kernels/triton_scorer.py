@@ -15,11 +15,19 @@ exactly one page loads its K from one scalar page id; other tile sizes gather pe
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 from .triton_common import live_length
+from .workspace import interpreting
+
+try:  # Triton >= 3.3 on CUDA; a no-op for a next kernel not launched as a programmatic dependent
+    from triton.language.extra.cuda import gdc_launch_dependents
+except ImportError:  # pragma: no cover - older Triton
+    gdc_launch_dependents = None
 
 
 @triton.jit
@@ -99,9 +107,11 @@ def score_kernel(
     num_pages, page_stride, sel_width, live_width, fill_width,
     H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, TILE: tl.constexpr,
     HAS_ACTIVE: tl.constexpr, FILL_TAIL: tl.constexpr, NUM_STAGES: tl.constexpr,
-    PRECISE: tl.constexpr, SCALAR_PAGE: tl.constexpr,
+    PRECISE: tl.constexpr, SCALAR_PAGE: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr,
 ):
     """Scores of row ``program_id(0)``'s live positions ``t < n``; ``-inf`` for holes and past the table."""
+    if LAUNCH_DEPENDENTS:
+        gdc_launch_dependents()
     row = tl.program_id(0)
     split = tl.program_id(1)
     splits = tl.num_programs(1)
@@ -153,6 +163,20 @@ def launch_score(
         H=heads, D=head_dim, PAGE=page_size, TILE=config.tile,
         HAS_ACTIVE=has_active, FILL_TAIL=fill_width > 0, NUM_STAGES=config.stages,
         PRECISE=config.precise, SCALAR_PAGE=config.tile == page_size and k_cache.shape[0] > 0,
+        LAUNCH_DEPENDENTS=config.launch_dependents and can_launch_dependents(out.device),
         num_warps=config.warps,
     )
+
+
+def can_launch_dependents(device: torch.device) -> bool:
+    """Whether a scorer launch on ``device`` can trigger its dependents: sm_90+ with a Triton that
+    has ``gdc_launch_dependents``, not in the interpreter."""
+    if gdc_launch_dependents is None or device.type != "cuda" or interpreting():
+        return False
+    return _sm90_or_later(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _sm90_or_later(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
 

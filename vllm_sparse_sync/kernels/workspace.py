@@ -133,7 +133,10 @@ class IndexerTopkWorkspace:
 
             cluster_smem = cluster_smem_limit(self.device.index if self.device.index is not None
                                               else torch.cuda.current_device())
-        return DeviceInfo(self.num_sms, cooperative, self.fused_ctas_per_sm, cuda_ok, cluster_smem)
+        from .scorer import cuda_scorer_ok
+
+        return DeviceInfo(self.num_sms, cooperative, self.fused_ctas_per_sm, cuda_ok, cluster_smem,
+                          cuda_scorer=self.config.scorer.cuda and cuda_scorer_ok(self.device))
 
     def route(self, rows: int, width: int, page: int, *, score: bool = True) -> Route:
         """The planner's route for a call of ``rows`` rows and width bound ``width`` here

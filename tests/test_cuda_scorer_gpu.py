@@ -1,0 +1,153 @@
+"""The CUDA wgmma scorer (``kernels.cuda_scorer``) on a compute-capability-9.0 device, against the
+torch reference: random lengths, tables with holes and out-of-range pages, both heads counts,
+both length and table dtypes, the active-width clamp, the dense tail fill, NaN weights, the
+exact and the e4m3 path; a captured graph replayed with new lengths. Skips elsewhere, with the
+reason."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from vllm_sparse_sync.kernels import reference as ref
+from vllm_sparse_sync.kernels.config import DEFAULT_CONFIG
+from vllm_sparse_sync.kernels.synth import make_case
+
+
+def _why_not() -> str | None:
+    if not torch.cuda.is_available():
+        return "needs a CUDA device"
+    from vllm_sparse_sync.kernels import cuda_scorer
+
+    ok, why = cuda_scorer.status(torch.cuda.current_device())
+    return None if ok else why
+
+
+WHY = _why_not()
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(WHY is not None, reason=f"CUDA scorer: {WHY}")]
+DEV = "cuda"
+
+
+def _score(case, width, *, precise, active=None, fill=True, splits=None, lens=None, table=None):
+    from vllm_sparse_sync.kernels import cuda_scorer
+    from vllm_sparse_sync.kernels.route import score_splits
+
+    table = case.block_table if table is None else table
+    lens = case.row_lens if lens is None else lens
+    rows = case.q_fp8.shape[0]
+    sel = min(width, table.shape[1] * 64)
+    out = torch.full((rows, width), 7.0, device=DEV)  # a sentinel where nothing is written
+    splits = splits or score_splits(rows, torch.cuda.get_device_properties(0).multi_processor_count)
+    assert cuda_scorer.takes(case.q_fp8, case.k_cache, table, 64, splits)
+    cfg = DEFAULT_CONFIG.scorer.__class__(precise=precise)
+    cuda_scorer.launch_cuda_score(case.q_fp8, case.weights, case.k_cache, table, lens, active, out,
+                                  page_size=64, sel_width=sel, fill_width=width if fill else 0,
+                                  splits=splits, config=cfg)
+    return out
+
+
+def _check(got, want, precise, n_written):
+    """``got`` equals the reference where written, to the path's precision; the sentinel elsewhere."""
+    rows, width = want.shape
+    for r in range(rows):
+        g, w = got[r, : n_written[r]], want[r, : n_written[r]]
+        assert torch.equal(torch.isneginf(g), torch.isneginf(w)), f"row {r}: -inf positions"
+        assert torch.equal(torch.isnan(g), torch.isnan(w)), f"row {r}: NaN positions"
+        fin = torch.isfinite(w)
+        if fin.any():
+            scale = float(w[fin].abs().max())
+            atol = 1e-3 + 1e-5 * scale if precise else 4e-3 * scale
+            torch.testing.assert_close(g[fin], w[fin], rtol=1e-4 if precise else 2e-2, atol=atol,
+                                       msg=lambda m: f"row {r}: {m}")
+        assert bool((got[r, n_written[r]:] == 7.0).all()), f"row {r}: written past {n_written[r]}"
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    lens=st.lists(st.integers(0, 9000), min_size=1, max_size=6),
+    heads=st.sampled_from([64, 32]),
+    precise=st.booleans(),
+    wide=st.booleans(),
+    active=st.one_of(st.none(), st.integers(-5, 9000)),
+    lens64=st.booleans(),
+    table64=st.booleans(),
+    fill=st.booleans(),
+    bad_pages=st.integers(0, 3),
+    seed=st.integers(0, 2**16),
+)
+def test_scores_match_the_reference(lens, heads, precise, wide, active, lens64, table64, fill, bad_pages, seed):
+    case = make_case(lens, heads=heads, table_pages=150, device=DEV, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(bad_pages):  # holes and pages past the cache inside live rows
+        r, p = int(torch.randint(len(lens), (1,), generator=g)), int(torch.randint(150, (1,), generator=g))
+        case.block_table[r, p] = -1 if p % 2 else case.k_cache.shape[0] + p
+    width = 150 * 64 if wide else max(64, max(lens))
+    act = None if active is None else torch.tensor([active], dtype=torch.int64 if lens64 else torch.int32,
+                                                  device=DEV)
+    lens_t = case.row_lens.to(torch.int64) if lens64 else case.row_lens
+    table = case.block_table.to(torch.int64) if table64 else case.block_table
+    got = _score(case, width, precise=precise, active=act, fill=fill, lens=lens_t, table=table)
+    want = ref.paged_indexer_logits(*case.args, width, active_width=act)
+    n = ref.effective_lengths(case.row_lens, min(width, 150 * 64), act)
+    _check(got, want, precise, [width if fill else int(x) for x in n])
+
+
+def test_nan_weights_and_one_page_rows():
+    case = make_case([64, 1, 65, 4096], heads=64, device=DEV, seed=3)
+    case.weights[1, 5] = float("nan")
+    for precise in (True, False):
+        got = _score(case, 4096, precise=precise)
+        want = ref.paged_indexer_logits(*case.args, 4096)
+        assert bool(torch.isnan(got[1, 0])) and got[1, 0].view(torch.int32) < 0  # a negative NaN
+        _check(got, want, precise, [4096] * 4)
+
+
+@pytest.mark.parametrize("splits", [1, 3, 600])
+def test_any_split_count_scores_every_tile(splits):
+    case = make_case([20000, 7, 0, 12345], heads=64, device=DEV, seed=5)
+    got = _score(case, 20480, precise=True, splits=splits)
+    _check(got, ref.paged_indexer_logits(*case.args, 20480), True, [20480] * 4)
+
+
+def test_the_step_takes_the_cuda_scorer_and_stays_exact():
+    from vllm_sparse_sync.kernels import triton_ops
+    from vllm_sparse_sync.kernels.verify import topk_violations
+    from vllm_sparse_sync.kernels.workspace import IndexerTopkWorkspace
+
+    lens = [0, 1000, 2049, 30000, 64 * 200]
+    case = make_case(lens, heads=64, device=DEV, seed=13)
+    width = case.block_table.shape[1] * 64
+    ws = IndexerTopkWorkspace(len(lens), 2048, width, DEV)
+    assert ws.route(len(lens), width, 64).scorer == "cuda"
+    got = triton_ops.indexer_topk(*case.args, 2048, workspace=ws)
+    want = ref.paged_indexer_logits(*case.args, width)
+    finite = want[torch.isfinite(want)]
+    assert topk_violations(got, want, case.row_lens.long(), 2048, tol=1e-5 * float(finite.abs().max())) == []
+
+
+def test_capture_then_replay_with_new_lengths():
+    case = make_case([5000, 3000, 64], heads=64, table_pages=100, device=DEV, seed=9)
+    out = torch.full((3, 6400), 7.0, device=DEV)
+    from vllm_sparse_sync.kernels import cuda_scorer
+
+    cfg = DEFAULT_CONFIG.scorer
+    cuda_scorer.warmup(DEV)
+
+    def step():
+        cuda_scorer.launch_cuda_score(case.q_fp8, case.weights, case.k_cache, case.block_table, case.row_lens,
+                                      None, out, page_size=64, sel_width=6400, fill_width=0, splits=40,
+                                      config=cfg)
+
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for lens in ([5000, 3000, 64], [64, 6400, 4097], [0, 0, 1]):
+        out.fill_(7.0)
+        case.row_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        graph.replay()
+        torch.cuda.synchronize()
+        _check(out, ref.paged_indexer_logits(*case.args, 6400), True, lens)

@@ -1,0 +1,417 @@
+// CUDA paged indexer scorer for sm_90a: logit[r, t] = k_scale[t] * sum_h w[r, h] * relu(q[r, h] . k[t]).
+//
+// Compiled at run time by NVRTC (kernels/cuda_scorer.py); the torch reference
+// (kernels/reference.paged_indexer_logits) is its specification. Same grid and contract as the
+// Triton scorer (triton_scorer.py): program (row, split) of a (rows, splits) grid scores the
+// 64-token tiles split, split + splits, ... of its row up to the row's device length n; a
+// position t < n is -inf where t >= live_width or its page id lies outside [0, num_pages);
+// positions at or past n are not written (with fill_width > n: -inf up to fill_width).
+//
+// One CTA: a producer warp and one consumer warpgroup (4 warps, 64 tokens per tile).
+//   producer  lane 0 of warp 4 reads each tile's page id and copies the page's 8 KB of keys and
+//             256 B of scales into a ring of STAGES shared-memory slots with the bulk copy engine
+//             (cp.async.bulk, mbarrier completion); a slot is refilled once the 4 consumer warps
+//             have read it (an "empty" mbarrier).
+//   consumers the row's query, converted once into the wgmma B operand in shared memory; per
+//             tile each thread loads 32 key bytes of each of its two token rows (two 16-byte
+//             shared loads a row), which are the wgmma A operand in registers (PRECISE: each
+//             e4m3 pair converted to f16x2, exact); H/8 x (8 k16 steps f16 | 4 k32 steps e4m3)
+//             wgmma with fp32 accumulators; then relu, the head weights, the quad's sum, the
+//             token's scale, one store per token.
+//   K order   a sum over k does not depend on the order of its terms: thread (g, c) of a warp
+//             holds key bytes 32c .. 32c + 31 of its rows, and the B operand is the query with
+//             its dimensions permuted the same way (phys_dim below), so each thread's key bytes
+//             are contiguous in shared memory.
+// Exactness: the PRECISE products are exact (e4m3 -> f16 is exact), sums in fp32 (as the Triton
+// scorer's fp16 dot); the e4m3 tensor-core path accumulates with ~14 mantissa bits (as DeepGEMM).
+// A NaN dot counts as 0 (maxNum relu); a NaN score is written as a negative NaN (its sortable key
+// lies below -inf's), as the Triton scorer does.
+
+typedef unsigned int u32;
+typedef unsigned long long u64;
+typedef long long i64;
+
+#ifndef STAGES
+#define STAGES 4
+#endif
+#define PAGE 64
+#define HEAD_DIM 128
+#define KEY_BYTES (PAGE * HEAD_DIM)           // a page's keys: 8192 bytes
+#define SCALE_BYTES (PAGE * 4)                // then its 64 fp32 scales
+#define SLOT_BYTES (KEY_BYTES + SCALE_BYTES)  // 8448, a multiple of 16
+#define CONSUMERS 128
+#define THREADS (CONSUMERS + 32)
+
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    return static_cast<u32>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive(u32 bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+
+__device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+    u32 done;
+    do {
+        asm volatile(
+            "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+            : "=r"(done)
+            : "r"(bar), "r"(parity)
+            : "memory");
+    } while (!done);
+}
+
+__device__ __forceinline__ void bulk_copy(u32 dst, const void* src, u32 bytes, u32 bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 ::"r"(dst), "l"(src), "r"(bytes), "r"(bar)
+                 : "memory");
+}
+
+// volatile: the A operand's conversions stay before the wgmma fence that orders them
+__device__ __forceinline__ u32 f16x2_of_e4m3x2(u32 two) {  // the low byte goes to the low half
+    u32 r;
+    asm volatile("{\n.reg .b16 t;\ncvt.u16.u32 t, %1;\ncvt.rn.f16x2.e4m3x2 %0, t;\n}\n" : "=r"(r) : "r"(two));
+    return r;
+}
+
+__device__ __forceinline__ i64 load_int(const void* p, int is64, i64 i) {
+    return is64 ? ((const i64*)p)[i] : (i64)((const int*)p)[i];
+}
+
+// The query dimension held at logical position kl of k-step j (see "K order" above).
+//   PRECISE (k16 steps): phys = 32c + 4j + 2hi + e for kl = 8hi + 2c + e
+//   e4m3    (k32 steps): phys = 32c + 8j + 4hi + e for kl = 16hi + 4c + e
+
+// wgmma B operand (the query) in shared memory, K-major, no swizzle: core matrices of 8 heads x
+// 16 bytes, 128 bytes each; the two (PRECISE) or two (e4m3) core matrices of a k-step along K are
+// LBO = 128 bytes apart, the H/8 along N SBO = 256 bytes apart; a k-step takes H * 32 bytes.
+__device__ __forceinline__ u64 b_desc(u32 addr) {
+    return (u64)((addr >> 4) & 0x3FFF) | ((u64)(128 >> 4) << 16) | ((u64)(256 >> 4) << 32);
+}
+
+#define ACC16(d) "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), \
+    "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),           \
+    "+f"(d[14]), "+f"(d[15])
+
+template <int N, bool PRECISE>
+struct Mma;
+
+template <>
+struct Mma<64, true> {
+    __device__ __forceinline__ static void run(float (&d)[32], u32 a0, u32 a1, u32 a2, u32 a3, u64 desc,
+                                               u32 accumulate) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %36, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+            "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+            "{%32, %33, %34, %35}, %37, p, 1, 1, 0;\n}\n"
+            : ACC16(d), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]),
+              "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]),
+              "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+            : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(accumulate), "l"(desc));
+    }
+};
+
+template <>
+struct Mma<64, false> {
+    __device__ __forceinline__ static void run(float (&d)[32], u32 a0, u32 a1, u32 a2, u32 a3, u64 desc,
+                                               u32 accumulate) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %36, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 "
+            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+            "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+            "{%32, %33, %34, %35}, %37, p, 1, 1;\n}\n"
+            : ACC16(d), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]),
+              "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]),
+              "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+            : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(accumulate), "l"(desc));
+    }
+};
+
+template <>
+struct Mma<32, true> {
+    __device__ __forceinline__ static void run(float (&d)[16], u32 a0, u32 a1, u32 a2, u32 a3, u64 desc,
+                                               u32 accumulate) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %20, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 "
+            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+            "{%16, %17, %18, %19}, %21, p, 1, 1, 0;\n}\n"
+            : ACC16(d)
+            : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(accumulate), "l"(desc));
+    }
+};
+
+template <>
+struct Mma<32, false> {
+    __device__ __forceinline__ static void run(float (&d)[16], u32 a0, u32 a1, u32 a2, u32 a3, u64 desc,
+                                               u32 accumulate) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %20, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3 "
+            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+            "{%16, %17, %18, %19}, %21, p, 1, 1;\n}\n"
+            : ACC16(d)
+            : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(accumulate), "l"(desc));
+    }
+};
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+
+__device__ __forceinline__ void consumer_bar() {  // the consumer warpgroup only (named barrier 1)
+    asm volatile("bar.sync 1, %0;" ::"n"(CONSUMERS) : "memory");
+}
+
+template <int H, bool PRECISE>
+__device__ __forceinline__ void score_row(
+    const unsigned char* __restrict__ q, const float* __restrict__ w, const unsigned char* __restrict__ kc,
+    const void* bt, int bt64, i64 bt_stride, const void* lens, int lens64, const void* active, int active64,
+    float* __restrict__ out, i64 out_stride, int num_pages, i64 page_stride, int sel_width, int live_width,
+    int fill_width, int launch_dependents) {
+    constexpr int QBYTES = H * HEAD_DIM * (PRECISE ? 2 : 1);  // the B operand image
+    constexpr int STEPS = PRECISE ? 8 : 4;                    // k-steps of a tile
+    constexpr int STEP_BYTES = QBYTES / STEPS;                // H * 32
+    constexpr int NACC = H / 2;                               // accumulators per thread
+    extern __shared__ __align__(1024) unsigned char smem[];
+    unsigned char* qimg = smem;                                 // QBYTES
+    unsigned char* slots = smem + QBYTES;                       // STAGES * SLOT_BYTES
+    u64* bars = reinterpret_cast<u64*>(slots + STAGES * SLOT_BYTES);  // full[STAGES], empty[STAGES]
+    int* slot_ok = reinterpret_cast<int*>(bars + 2 * STAGES);
+
+    if (launch_dependents) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    const int row = blockIdx.x;
+    const int split = blockIdx.y;
+    const int splits = gridDim.y;
+    const int tid = threadIdx.x;
+    const int lane = tid & 31;
+    const bool producer = tid >= CONSUMERS;
+
+    // every global read that does not depend on the row's length is issued beside it: the
+    // producer warp's first 32 page ids (lane l: the l-th tile of this program, within the
+    // table and the host width), the consumers' query words and head weights
+    const unsigned char* bt_row = (const unsigned char*)bt + (i64)row * bt_stride * (bt64 ? 8 : 4);
+    const int width_tiles = ((sel_width < live_width ? sel_width : live_width) + PAGE - 1) / PAGE;
+    int pages_now = -1;
+    if (producer) {
+        const int t = split + lane * splits;
+        if (t < width_tiles) pages_now = (int)load_int(bt_row, bt64, t);
+    }
+    const unsigned char* q_row = q + (i64)row * (H * HEAD_DIM);
+    constexpr int QWORDS = H * (HEAD_DIM / 4) / CONSUMERS;  // 4-byte query groups per consumer
+    u32 qw[QWORDS];
+    float wv[NACC / 2];
+    const int g = lane >> 2, c = lane & 3;
+    if (!producer) {
+#pragma unroll
+        for (int i = 0; i < QWORDS; ++i)
+            qw[i] = *reinterpret_cast<const u32*>(q_row + 4 * (tid + i * CONSUMERS));
+#pragma unroll
+        for (int i = 0; i < H / 8; ++i) {  // heads 8i + 2c, 8i + 2c + 1 (the thread's accumulator columns)
+            const float2 p = *reinterpret_cast<const float2*>(w + (i64)row * H + 8 * i + 2 * c);
+            wv[2 * i] = p.x;
+            wv[2 * i + 1] = p.y;
+        }
+    }
+    i64 n64 = load_int(lens, lens64, row);
+    n64 = n64 < 0 ? 0 : (n64 > sel_width ? sel_width : n64);
+    if (active != nullptr) {
+        i64 a = load_int(active, active64, 0);
+        a = a < 0 ? 0 : a;
+        n64 = n64 > a ? a : n64;
+    }
+    const int n = (int)n64;
+    const int n_live = n < live_width ? n : live_width;
+    const int n_tiles = (n + PAGE - 1) / PAGE;
+    const int my_tiles = split < n_tiles ? (n_tiles - split + splits - 1) / splits : 0;
+    float* __restrict__ out_row = out + (i64)row * out_stride;
+    const bool fills = fill_width > n && (n / PAGE + split) * PAGE < fill_width;
+    if (my_tiles == 0 && !fills) return;  // CTA-uniform: no barrier was reached
+
+    if (tid == 0) {
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(smem_addr(&bars[s]), 1);
+            mbar_init(smem_addr(&bars[STAGES + s]), CONSUMERS / 32);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+
+    if (producer) {  // lane 0 issues; the warp fetches page ids 32 tiles ahead
+        int pages_next = -1;
+        {
+            const int t = split + (32 + lane) * splits;
+            if (32 < my_tiles && t < width_tiles) pages_next = (int)load_int(bt_row, bt64, t);
+        }
+        for (int it = 0; it < my_tiles; ++it) {
+            if (it > 0 && it % 32 == 0) {
+                pages_now = pages_next;
+                const int t = split + (it + 32 + lane) * splits;
+                pages_next = (it + 32 < my_tiles && t < width_tiles) ? (int)load_int(bt_row, bt64, t) : -1;
+            }
+            const int page = __shfl_sync(0xffffffffu, pages_now, it % 32);
+            if (lane == 0) {
+                const int s = it % STAGES;
+                const int t = split + it * splits;
+                if (it >= STAGES) mbar_wait(smem_addr(&bars[STAGES + s]), ((it / STAGES) - 1) & 1);
+                const bool ok = t * PAGE < n_live && page >= 0 && page < num_pages;
+                slot_ok[s] = ok ? 1 : 0;
+                const u32 full = smem_addr(&bars[s]);
+                if (ok) {
+                    const unsigned char* src = kc + (i64)page * page_stride;
+                    const u32 dst = smem_addr(slots + s * SLOT_BYTES);
+                    mbar_expect_tx(full, SLOT_BYTES);
+                    bulk_copy(dst, src, KEY_BYTES, full);
+                    bulk_copy(dst + KEY_BYTES, src + KEY_BYTES, SCALE_BYTES, full);
+                } else {
+                    mbar_arrive(full);
+                }
+            }
+            __syncwarp();
+        }
+        return;
+    }
+
+    // consumers: the query as the B operand image
+#pragma unroll
+    for (int i = 0; i < QWORDS; ++i) {  // 4-byte group gi: head gi / 32, physical dims p .. p + 3
+        const int gi = tid + i * CONSUMERS;
+        const int h = gi / (HEAD_DIM / 4);
+        const int p = (gi % (HEAD_DIM / 4)) * 4;
+        const u32 v = qw[i];
+        const int cq = p / 32;
+        const int core = (h / 8) * 256 + (h % 8) * 16;
+        if (PRECISE) {  // j = (p % 32) / 4; dims (p, p+1) -> kl 2c, 2c+1; (p+2, p+3) -> kl 2c+8, 2c+9
+            const int j = (p % 32) / 4;
+            unsigned char* base = qimg + j * STEP_BYTES + core;
+            *reinterpret_cast<u32*>(base + (2 * cq) * 2) = f16x2_of_e4m3x2(v & 0xFFFFu);
+            *reinterpret_cast<u32*>(base + 128 + (2 * cq) * 2) = f16x2_of_e4m3x2(v >> 16);
+        } else {  // j = (p % 32) / 8, hi = (p % 8) / 4: dims p .. p+3 -> kl 16hi + 4c .. + 3
+            const int j = (p % 32) / 8;
+            const int hi = (p % 8) / 4;
+            *reinterpret_cast<u32*>(qimg + j * STEP_BYTES + core + hi * 128 + 4 * cq) = v;
+        }
+    }
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // generic writes -> wgmma reads
+    const int m0 = (tid >> 5) * 16 + g;  // the thread's token rows m0, m0 + 8 of a tile
+    consumer_bar();
+    const u32 qbase = smem_addr(qimg);
+    const int swap = g & 1;  // odd rows read their second 16 bytes first: no bank conflict with row g - 1
+
+    int t = split;
+    for (int it = 0; it < my_tiles; ++it, t += splits) {
+        const int s = it % STAGES;
+        mbar_wait(smem_addr(&bars[s]), (it / STAGES) & 1);
+        const unsigned char* slot = slots + s * SLOT_BYTES;
+        const int ok = slot_ok[s];
+        uint4 r0a = *reinterpret_cast<const uint4*>(slot + m0 * HEAD_DIM + 32 * c + 16 * swap);
+        uint4 r0b = *reinterpret_cast<const uint4*>(slot + m0 * HEAD_DIM + 32 * c + 16 * (swap ^ 1));
+        uint4 r1a = *reinterpret_cast<const uint4*>(slot + (m0 + 8) * HEAD_DIM + 32 * c + 16 * swap);
+        uint4 r1b = *reinterpret_cast<const uint4*>(slot + (m0 + 8) * HEAD_DIM + 32 * c + 16 * (swap ^ 1));
+        const float sc0 = reinterpret_cast<const float*>(slot + KEY_BYTES)[m0];
+        const float sc1 = reinterpret_cast<const float*>(slot + KEY_BYTES)[m0 + 8];
+        const uint4 lo0 = swap ? r0b : r0a, hi0 = swap ? r0a : r0b;
+        const uint4 lo1 = swap ? r1b : r1a, hi1 = swap ? r1a : r1b;
+        const u32 k0[8] = {lo0.x, lo0.y, lo0.z, lo0.w, hi0.x, hi0.y, hi0.z, hi0.w};  // row m0, bytes 32c ..
+        const u32 k1[8] = {lo1.x, lo1.y, lo1.z, lo1.w, hi1.x, hi1.y, hi1.z, hi1.w};  // row m0 + 8
+        __syncwarp();
+        if (lane == 0) mbar_arrive(smem_addr(&bars[STAGES + s]));  // the slot may be refilled
+
+        // the A operand of every k-step, written before the fence (wgmma reads registers that
+        // other instructions wrote only across a wgmma.fence)
+        u32 a[16];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            if (PRECISE) {  // k16 step j: rows m0, m0 + 8 at kl 2c, 2c+1 (a0, a1), 2c+8, 2c+9 (a2, a3)
+                a[2 * j] = f16x2_of_e4m3x2(k0[j] & 0xFFFFu);
+                a[2 * j + 1] = f16x2_of_e4m3x2(k1[j] & 0xFFFFu);
+            } else {
+                a[2 * j] = k0[j];
+                a[2 * j + 1] = k1[j];
+            }
+        }
+        u32 b[PRECISE ? 16 : 1];
+        if (PRECISE) {
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                b[2 * j] = f16x2_of_e4m3x2(k0[j] >> 16);
+                b[2 * j + 1] = f16x2_of_e4m3x2(k1[j] >> 16);
+            }
+        }
+        float d[NACC];
+#pragma unroll
+        for (int i = 0; i < NACC; ++i) d[i] = 0.0f;
+        wgmma_fence();
+#pragma unroll
+        for (int j = 0; j < STEPS; ++j) {
+            const u64 desc = b_desc(qbase + j * STEP_BYTES);
+            if (PRECISE) {
+                Mma<H, true>::run(d, a[2 * j], a[2 * j + 1], b[2 * j], b[2 * j + 1], desc, j > 0);
+            } else {  // k32 step j: rows m0, m0 + 8 at kl 4c .. (words 2j), 16 + 4c .. (words 2j + 1)
+                Mma<H, false>::run(d, a[4 * j], a[4 * j + 1], a[4 * j + 2], a[4 * j + 3], desc, j > 0);
+            }
+        }
+        wgmma_commit();
+        wgmma_wait();
+
+        // d[4i + 0/1]: row m0, heads 8i + 2c, 8i + 2c + 1; d[4i + 2/3]: row m0 + 8
+        float s0 = 0.0f, s1 = 0.0f, t0 = 0.0f, t1 = 0.0f;  // two chains a row
+#pragma unroll
+        for (int i = 0; i < H / 8; ++i) {
+            s0 = fmaf(fmaxf(d[4 * i], 0.0f), wv[2 * i], s0);
+            t0 = fmaf(fmaxf(d[4 * i + 1], 0.0f), wv[2 * i + 1], t0);
+            s1 = fmaf(fmaxf(d[4 * i + 2], 0.0f), wv[2 * i], s1);
+            t1 = fmaf(fmaxf(d[4 * i + 3], 0.0f), wv[2 * i + 1], t1);
+        }
+        s0 += t0;
+        s1 += t1;
+        s0 += __shfl_xor_sync(0xffffffffu, s0, 1);
+        s1 += __shfl_xor_sync(0xffffffffu, s1, 1);
+        s0 += __shfl_xor_sync(0xffffffffu, s0, 2);
+        s1 += __shfl_xor_sync(0xffffffffu, s1, 2);
+        if (c < 2) {  // lane c = 0 writes row m0, c = 1 row m0 + 8
+            const int m = c == 0 ? m0 : m0 + 8;
+            const int pos = t * PAGE + m;
+            float v = (c == 0 ? s0 : s1) * (c == 0 ? sc0 : sc1);
+            if (v != v) v = __uint_as_float(__float_as_uint(v) | 0x80000000u);
+            if (!ok || pos >= n_live) v = __uint_as_float(0xff800000u);  // -inf
+            if (pos < n) out_row[pos] = v;
+        }
+    }
+    if (fill_width > n) {  // the dense API: -inf from n to fill_width
+        for (int tile = n / PAGE + split; tile * PAGE < fill_width; tile += splits) {
+            if (tid < PAGE) {
+                const int pos = tile * PAGE + tid;
+                if (pos >= n && pos < fill_width) out_row[pos] = __uint_as_float(0xff800000u);
+            }
+        }
+    }
+}
+
+#define SCORE_KERNEL(H, P)                                                                              \
+    extern "C" __global__ void __launch_bounds__(THREADS, 4) score_h##H##_p##P(                           \
+        const unsigned char* __restrict__ q, const float* __restrict__ w,                               \
+        const unsigned char* __restrict__ kc, const void* bt, int bt64, i64 bt_stride, const void* lens, \
+        int lens64, const void* active, int active64, float* __restrict__ out, i64 out_stride,          \
+        int num_pages, i64 page_stride, int sel_width, int live_width, int fill_width,                 \
+        int launch_dependents) {                                                                        \
+        score_row<H, (P) != 0>(q, w, kc, bt, bt64, bt_stride, lens, lens64, active, active64, out,     \
+                               out_stride, num_pages, page_stride, sel_width, live_width, fill_width,  \
+                               launch_dependents);                                                     \
+    }
+
+SCORE_KERNEL(64, 1)
+SCORE_KERNEL(64, 0)
+SCORE_KERNEL(32, 1)
+SCORE_KERNEL(32, 0)

@@ -1,0 +1,169 @@
+"""The CUDA paged scorer for sm_90 (``cuda_scorer.cu``, wgmma), compiled at run time by NVRTC.
+
+Same contract and grid as the Triton scorer (``triton_scorer.launch_score``): it scores what the
+reference ``paged_indexer_logits`` does, the exact path (``scorer.precise``: e4m3 -> f16, fp32
+sums) and the e4m3 tensor-core path alike. It takes calls the kernel is built for (``takes``:
+64-token pages, head dim 128, 32 or 64 heads, 16-byte aligned pages) on a device of compute
+capability 9.0 (the sm_90a code runs there only); ``kernels.scorer.launch_score`` sends the rest
+to Triton. Compiled on first use and cached per device; launched on torch's current stream, so
+it is captured when the stream captures. Call ``warmup`` (or one eager call) before capturing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from . import cuda_topk
+
+SOURCE_PATH = Path(__file__).with_name("cuda_scorer.cu")
+ARCH = "sm_90a"
+CAPABILITY = (9, 0)
+PAGE = 64
+HEAD_DIM = 128
+HEADS = (32, 64)
+STAGES = 4
+"""pages in flight per CTA (the source's ``STAGES``)"""
+THREADS = 160
+"""one producer warp and one consumer warpgroup"""
+SLOT_BYTES = PAGE * (HEAD_DIM + 4)
+
+
+def source() -> str:
+    return SOURCE_PATH.read_text()
+
+
+def kernel_name(heads: int, precise: bool) -> str:
+    if heads not in HEADS:
+        raise ValueError(f"cuda scorer: heads must be one of {HEADS}, got {heads!r}")
+    return f"score_h{heads}_p{int(bool(precise))}"
+
+
+def smem_bytes(heads: int, precise: bool) -> int:
+    """Dynamic shared memory of one CTA: the query as the wgmma B operand, the page ring, its
+    full and empty barriers and the slots' validity flags."""
+    qbytes = heads * HEAD_DIM * (2 if precise else 1)
+    return qbytes + STAGES * SLOT_BYTES + 2 * STAGES * 8 + STAGES * 4
+
+
+@cache
+def status(index: int) -> tuple[bool, str]:
+    """Whether the CUDA scorer can run on CUDA device ``index``, and why not."""
+    if not torch.cuda.is_available():
+        return False, "no CUDA device"
+    cap = torch.cuda.get_device_capability(index)
+    if cap != CAPABILITY:
+        return False, f"compute capability {cap}: the wgmma scorer is built for {CAPABILITY} (sm_90a)"
+    return cuda_topk.compiler_status()
+
+
+def takes(q_fp8: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor, page_size: int,
+          splits: int) -> bool:
+    """Whether the kernel is built for this call's tensors (checked host metadata only)."""
+    rows, heads, head_dim = q_fp8.shape
+    return (
+        page_size == PAGE and head_dim == HEAD_DIM and heads in HEADS and q_fp8.is_contiguous()
+        and k_cache.dim() == 2 and k_cache.shape[1] == SLOT_BYTES and k_cache.stride(1) == 1
+        and k_cache.stride(0) % 16 == 0 and k_cache.data_ptr() % 16 == 0
+        and block_table.dtype in (torch.int32, torch.int64) and block_table.stride(1) == 1
+        and 0 < rows < 2**31 and 0 < splits <= 65535 and k_cache.shape[0] < 2**31
+    )
+
+
+class _Module:
+    """The compiled scorer of one device."""
+
+    def __init__(self, index: int) -> None:
+        driver, _ = cuda_topk._bindings()
+        self.driver = driver
+        _check = cuda_topk._check
+        _check(driver.cuInit(0), "cuInit")
+        cu_dev = _check(driver.cuDeviceGet(index), "cuDeviceGet")
+        self.ctx = _check(driver.cuDevicePrimaryCtxRetain(cu_dev), "cuDevicePrimaryCtxRetain")
+        _check(driver.cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent")
+        cubin, _ = cuda_topk.compile_source(ARCH, text=source(), name="cuda_scorer.cu")
+        self.module = _check(driver.cuModuleLoadData(cubin), "cuModuleLoadData")
+        self.functions: dict[str, object] = {}
+
+    def function(self, heads: int, precise: bool):
+        name = kernel_name(heads, precise)
+        fn = self.functions.get(name)
+        if fn is None:
+            _check = cuda_topk._check
+            fn = _check(self.driver.cuModuleGetFunction(self.module, name.encode()), f"cuModuleGetFunction({name})")
+            attr = self.driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+            _check(self.driver.cuFuncSetAttribute(fn, attr, smem_bytes(heads, precise)),
+                   "cuFuncSetAttribute(max dynamic smem)")
+            self.functions[name] = fn
+        return fn
+
+
+_MODULES: dict[int, _Module] = {}
+_LOCK = threading.Lock()
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def module_for(index: int) -> _Module:
+    mod = _MODULES.get(index)
+    if mod is None:
+        with _LOCK:
+            mod = _MODULES.get(index)
+            if mod is None:
+                ok, why = status(index)
+                if not ok:
+                    raise RuntimeError(f"cuda scorer unavailable: {why}")
+                mod = _Module(index)
+                _MODULES[index] = mod
+    return mod
+
+
+def warmup(device: torch.device | str = "cuda") -> None:
+    """Compile, load and fetch every kernel outside capture."""
+    mod = module_for(_index(torch.device(device)))
+    for heads in HEADS:
+        for precise in (True, False):
+            mod.function(heads, precise)
+
+
+def launch_cuda_score(
+    q_fp8, weights, k_cache, block_table, row_lens, active, out, *, page_size, sel_width, fill_width,
+    splits, config,
+) -> None:
+    """The scorer's launch (``config``: a ``ScorerConfig``) on a call ``takes`` accepts; arguments
+    as ``triton_scorer.launch_score``."""
+    rows, heads, _ = q_fp8.shape
+    index = _index(q_fp8.device)
+    mod = module_for(index)
+    fn = mod.function(heads, config.precise)
+    for name, t in (("row_lens", row_lens), ("active_width", active)):
+        if t is not None and t.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"cuda scorer: {name} must be int32 or int64, got {t.dtype}")
+    values = (
+        ctypes.c_void_p(q_fp8.data_ptr()),
+        ctypes.c_void_p(weights.data_ptr()),
+        ctypes.c_void_p(k_cache.data_ptr()),
+        ctypes.c_void_p(block_table.data_ptr()),
+        ctypes.c_int(int(block_table.dtype == torch.int64)),
+        ctypes.c_longlong(block_table.stride(0)),
+        ctypes.c_void_p(row_lens.data_ptr()),
+        ctypes.c_int(int(row_lens.dtype == torch.int64)),
+        ctypes.c_void_p(active.data_ptr() if active is not None else 0),
+        ctypes.c_int(int(active is not None and active.dtype == torch.int64)),
+        ctypes.c_void_p(out.data_ptr()),
+        ctypes.c_longlong(out.stride(0)),
+        ctypes.c_int(k_cache.shape[0]),
+        ctypes.c_longlong(k_cache.stride(0)),
+        ctypes.c_int(sel_width),
+        ctypes.c_int(block_table.shape[1] * page_size),
+        ctypes.c_int(fill_width),
+        ctypes.c_int(int(config.launch_dependents)),
+    )
+    cuda_topk.launch_values(mod, fn, (rows, splits, 1), THREADS, smem_bytes(heads, config.precise), values,
+                            q_fp8.device)

@@ -1,0 +1,42 @@
+"""The scorer's launch: the CUDA wgmma kernel (``cuda_scorer``) where the route says so and the
+call's tensors fit it, the Triton kernel (``triton_scorer``) otherwise. Both write the same
+scores (the exact path to fp32 rounding; the e4m3 path to its tensor cores' accumulation)."""
+
+from __future__ import annotations
+
+import torch
+
+from .route import CUDA, TRITON
+from .workspace import interpreting
+
+
+def cuda_scorer_ok(device: torch.device) -> bool:
+    """Whether the CUDA scorer can run on ``device`` (a host query, cached per device)."""
+    if device.type != "cuda" or interpreting():
+        return False
+    from .cuda_scorer import status
+
+    return status(device.index if device.index is not None else torch.cuda.current_device())[0]
+
+
+def launch_score(q_fp8, weights, k_cache, block_table, row_lens, active, out, *, page_size, sel_width,
+                 fill_width, splits, config, kind: str | None = None) -> str:
+    """Score ``out`` (arguments as ``triton_scorer.launch_score``; ``config``: a ``ScorerConfig``)
+    with the ``kind`` of kernel the route chose (None: as ``route.scorer_for`` would: ``CUDA`` for
+    the exact path where ``config.cuda`` and the device allow it); a call the CUDA kernel is not
+    built for runs on Triton. Returns the kind run."""
+    if kind is None:
+        kind = CUDA if config.cuda and config.precise and cuda_scorer_ok(q_fp8.device) else TRITON
+    if kind == CUDA:
+        from . import cuda_scorer
+
+        if cuda_scorer.takes(q_fp8, k_cache, block_table, page_size, splits):
+            cuda_scorer.launch_cuda_score(q_fp8, weights, k_cache, block_table, row_lens, active, out,
+                                          page_size=page_size, sel_width=sel_width, fill_width=fill_width,
+                                          splits=splits, config=config)
+            return CUDA
+    from .triton_scorer import launch_score as launch_triton_score
+
+    launch_triton_score(q_fp8, weights, k_cache, block_table, row_lens, active, out, page_size=page_size,
+                        sel_width=sel_width, fill_width=fill_width, splits=splits, config=config)
+    return TRITON
