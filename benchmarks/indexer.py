@@ -43,7 +43,7 @@ from vllm_sparse_sync.kernels.config import (  # noqa: E402
     KernelConfig,
     parse_assignments,
 )
-from vllm_sparse_sync.kernels.route import DeviceInfo, plan_route  # noqa: E402
+from vllm_sparse_sync.kernels.route import score_splits  # noqa: E402
 from vllm_sparse_sync.kernels.synth import random_k_cache  # noqa: E402
 from vllm_sparse_sync.kernels.workspace import IndexerTopkWorkspace  # noqa: E402
 
@@ -55,10 +55,10 @@ DEV = "cuda"
 SERVING_ROWS = 256  # the step's workspace capacity: a serving runner's, whatever the call's rows
 
 
-def unfused_splits(B: int, L: int, config: KernelConfig) -> int:
-    """Scorer programs per row of the unfused route for B rows."""
+def unfused_splits(B: int, L: int, config: KernelConfig, scorer: str = "triton") -> int:
+    """Programs per row of the ``scorer`` kernel on the unfused route for B rows."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    return plan_route(B, L, PAGE, DeviceInfo(sms, cooperative=False), config).score_splits
+    return score_splits(B, sms, config, scorer)
 
 
 def timeit(make_call, ncalls: int, iters: int = 15) -> float:
@@ -120,13 +120,12 @@ def bench_ours(inp: Inputs, ncalls: int, config, res: dict, algos: tuple[str, ..
     ws = IndexerTopkWorkspace(max(B, SERVING_ROWS), TOPK, WIDE, DEV, config=config)
     out = torch.empty(B, TOPK, dtype=torch.int32, device=DEV)
     active = torch.tensor([L], dtype=torch.int32, device=DEV)
-    splits = unfused_splits(B, L, config)
     kind = ws.route(B, L, PAGE).scorer
     res["scorer_kind"] = kind
 
     def scorer(i, cfg=config.scorer, logits=ws.logits, kind=kind):  # the step's scorer alone
         return lambda: launch_score(*inp.args(i), None, logits, page_size=PAGE, sel_width=L, fill_width=0,
-                                    splits=splits, config=cfg, kind=kind)
+                                    splits=unfused_splits(B, L, config, kind), config=cfg, kind=kind)
 
     def step(i, width, act=None):
         return lambda: tk.indexer_topk(*inp.args(i, width == WIDE), TOPK, active_width=act, width=width,

@@ -96,13 +96,18 @@ def test_the_operand_layouts_compute_q_dot_k(precise, heads):
 def test_the_planner_takes_the_cuda_scorer_where_the_device_can():
     hopper = DeviceInfo(num_sms=132, cuda_topk=True, cluster_smem=200000, cuda_scorer=True)
     assert plan_route(64, 65536, 64, hopper).scorer == CUDA
-    assert plan_route(1, 4096, 64, hopper).scorer == CUDA
+    assert plan_route(8, 4096, 64, hopper).scorer == CUDA
+    assert plan_route(8, 4096, 64, hopper).score_splits == 132 * DEFAULT_CONFIG.scorer.cuda_ctas_per_sm // 8
+    assert plan_route(7, 4096, 64, hopper).scorer == TRITON  # fewer rows than scorer.cuda_min_rows
+    assert plan_route(7, 4096, 64, hopper).score_splits == 132 * DEFAULT_CONFIG.scorer.ctas_per_sm // 7
+    every = DEFAULT_CONFIG.with_values(**{"scorer.cuda_min_rows": 0})
+    assert plan_route(1, 4096, 64, hopper, every).scorer == CUDA
     assert plan_route(64, 65536, 32, hopper).scorer == TRITON  # pages of another size
     assert plan_route(64, 65536, 64, DeviceInfo(num_sms=132)).scorer == TRITON
     off = DEFAULT_CONFIG.with_values(**{"scorer.cuda": False})
     fp8 = DEFAULT_CONFIG.with_values(**{"scorer.precise": False})  # Triton's e4m3 kernel is faster
-    assert scorer_for(64, hopper, off) == TRITON and scorer_for(64, hopper) == CUDA
-    assert scorer_for(64, hopper, fp8) == TRITON
+    assert scorer_for(64, 64, hopper, off) == TRITON and scorer_for(64, 64, hopper) == CUDA
+    assert scorer_for(64, 64, hopper, fp8) == TRITON
 
 
 def test_takes_only_the_calls_the_kernel_is_built_for():
@@ -119,11 +124,15 @@ def test_takes_only_the_calls_the_kernel_is_built_for():
         cuda_scorer.kernel_name(16, True)
 
 
-def test_four_ctas_fit_one_sm():
-    """228 KB of shared memory per SM (1 KB reserved per CTA) holds four CTAs of either path."""
+def test_the_ctas_of_the_grid_fit_one_sm():
+    """228 KB of shared memory per SM (1 KB reserved per CTA) holds the grid's CTAs per SM of
+    either path, and the grid asks for what the kernel's register bound allows."""
+    assert DEFAULT_CONFIG.scorer.cuda_ctas_per_sm == cuda_scorer.CTAS_PER_SM
+    assert f"#define CTAS_PER_SM {cuda_scorer.CTAS_PER_SM}" in cuda_scorer.source()
+    assert f"#define STAGES {cuda_scorer.STAGES}" in cuda_scorer.source()
     for heads in cuda_scorer.HEADS:
         for precise in (True, False):
-            assert 4 * (cuda_scorer.smem_bytes(heads, precise) + 1024) <= 228 * 1024
+            assert cuda_scorer.CTAS_PER_SM * (cuda_scorer.smem_bytes(heads, precise) + 1024) <= 228 * 1024
 
 
 NVRTC_OK, NVRTC_WHY = cuda_topk.compiler_status()
@@ -138,5 +147,5 @@ def test_the_source_compiles_for_sm90a_without_spills():
     assert names == {cuda_scorer.kernel_name(h, p) for h in cuda_scorer.HEADS for p in (True, False)}
     for name, spills, regs in found:
         assert int(spills) == 0, (name, spills)
-        # four CTAs of THREADS threads per SM in 64K registers
-        assert int(regs) * cuda_scorer.THREADS * 4 <= 65536, (name, regs)
+        # CTAS_PER_SM CTAs of THREADS threads per SM in 64K registers
+        assert int(regs) * cuda_scorer.THREADS * cuda_scorer.CTAS_PER_SM <= 65536, (name, regs)

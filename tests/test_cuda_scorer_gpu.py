@@ -116,11 +116,12 @@ def test_the_step_takes_the_cuda_scorer_and_stays_exact():
     from vllm_sparse_sync.kernels.verify import topk_violations
     from vllm_sparse_sync.kernels.workspace import IndexerTopkWorkspace
 
-    lens = [0, 1000, 2049, 30000, 64 * 200]
+    lens = [0, 1000, 2049, 30000, 64 * 200, 5, 64, 4097]  # scorer.cuda_min_rows rows
     case = make_case(lens, heads=64, device=DEV, seed=13)
     width = case.block_table.shape[1] * 64
     ws = IndexerTopkWorkspace(len(lens), 2048, width, DEV)
     assert ws.route(len(lens), width, 64).scorer == "cuda"
+    assert ws.route(len(lens) - 1, width, 64).scorer == "triton"
     got = triton_ops.indexer_topk(*case.args, 2048, workspace=ws)
     want = ref.paged_indexer_logits(*case.args, width)
     finite = want[torch.isfinite(want)]

@@ -48,6 +48,11 @@ class ScorerConfig:
     """The exact path on the NVRTC-compiled wgmma scorer (``cuda_scorer``) on compute capability
     9.0 where it can take the call (64-token pages, head dim 128, 32 or 64 heads); False: always
     Triton (the e4m3 path always is). ``tile``, ``warps`` and ``stages`` are the Triton kernel's."""
+    cuda_min_rows: int = 8
+    """Calls of fewer rows take Triton's exact scorer (as fast or faster there: benchmarks/NOTES.md,
+    run 65)."""
+    cuda_ctas_per_sm: int = 5
+    """The CUDA scorer's programs per SM, split over the call's rows (its kernel holds five)."""
     launch_dependents: bool = True
     """Each program lets the next kernel launch as it starts (``griddepcontrol.launch_dependents``,
     where Triton has it): the step's CUDA top-k, a programmatic dependent launch, is then resident
@@ -60,6 +65,9 @@ class ScorerConfig:
         _pow2("scorer.warps", self.warps)
         _positive("scorer.stages", self.stages)
         _positive("scorer.ctas_per_sm", self.ctas_per_sm)
+        _positive("scorer.cuda_ctas_per_sm", self.cuda_ctas_per_sm)
+        if not _is_int(self.cuda_min_rows) or self.cuda_min_rows < 0:
+            raise ValueError(f"scorer.cuda_min_rows: an int >= 0, got {self.cuda_min_rows!r}")
         _flag("scorer.precise", self.precise)
 
 

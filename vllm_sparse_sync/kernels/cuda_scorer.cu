@@ -7,12 +7,12 @@
 // position t < n is -inf where t >= live_width or its page id lies outside [0, num_pages);
 // positions at or past n are not written (with fill_width > n: -inf up to fill_width).
 //
-// One CTA: a producer warp and one consumer warpgroup (4 warps, 64 tokens per tile).
-//   producer  lane 0 of warp 4 reads each tile's page id and copies the page's 8 KB of keys and
-//             256 B of scales into a ring of STAGES shared-memory slots with the bulk copy engine
-//             (cp.async.bulk, mbarrier completion); a slot is refilled once the 4 consumer warps
-//             have read it (an "empty" mbarrier).
-//   consumers the row's query, converted once into the wgmma B operand in shared memory; per
+// One CTA: one warpgroup (4 warps, 64 tokens per tile), several CTAs per SM.
+//   pages     thread 0 copies each tile's 8 KB of keys and 256 B of scales into a ring of
+//             STAGES shared-memory slots with the bulk copy engine (cp.async.bulk, mbarrier
+//             completion), STAGES tiles ahead; warp 0 fetches the page ids 32 tiles ahead. A slot
+//             is refilled once every thread has read it (the CTA barrier after the reads).
+//   scoring   the row's query, converted once into the wgmma B operand in shared memory; per
 //             tile each thread loads 32 key bytes of each of its two token rows (two 16-byte
 //             shared loads a row), which are the wgmma A operand in registers (PRECISE: each
 //             e4m3 pair converted to f16x2, exact); H/8 x (8 k16 steps f16 | 4 k32 steps e4m3)
@@ -32,15 +32,17 @@ typedef unsigned long long u64;
 typedef long long i64;
 
 #ifndef STAGES
-#define STAGES 4
+#define STAGES 3
+#endif
+#ifndef CTAS_PER_SM
+#define CTAS_PER_SM 5
 #endif
 #define PAGE 64
 #define HEAD_DIM 128
 #define KEY_BYTES (PAGE * HEAD_DIM)           // a page's keys: 8192 bytes
 #define SCALE_BYTES (PAGE * 4)                // then its 64 fp32 scales
 #define SLOT_BYTES (KEY_BYTES + SCALE_BYTES)  // 8448, a multiple of 16
-#define CONSUMERS 128
-#define THREADS (CONSUMERS + 32)
+#define THREADS 128
 
 __device__ __forceinline__ u32 smem_addr(const void* p) {
     return static_cast<u32>(__cvta_generic_to_shared(p));
@@ -75,11 +77,12 @@ __device__ __forceinline__ void bulk_copy(u32 dst, const void* src, u32 bytes, u
                  : "memory");
 }
 
+// four e4m3 as two f16x2: bytes 0, 1 -> lo, bytes 2, 3 -> hi (the lower byte in the lower half).
 // volatile: the A operand's conversions stay before the wgmma fence that orders them
-__device__ __forceinline__ u32 f16x2_of_e4m3x2(u32 two) {  // the low byte goes to the low half
-    u32 r;
-    asm volatile("{\n.reg .b16 t;\ncvt.u16.u32 t, %1;\ncvt.rn.f16x2.e4m3x2 %0, t;\n}\n" : "=r"(r) : "r"(two));
-    return r;
+__device__ __forceinline__ void f16x4_of_e4m3x4(u32 four, u32& lo, u32& hi) {
+    asm volatile("{\n.reg .b16 l, h;\nmov.b32 {l, h}, %2;\ncvt.rn.f16x2.e4m3x2 %0, l;\ncvt.rn.f16x2.e4m3x2 %1, h;\n}\n"
+                 : "=r"(lo), "=r"(hi)
+                 : "r"(four));
 }
 
 __device__ __forceinline__ i64 load_int(const void* p, int is64, i64 i) {
@@ -170,10 +173,6 @@ __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.a
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
 
-__device__ __forceinline__ void consumer_bar() {  // the consumer warpgroup only (named barrier 1)
-    asm volatile("bar.sync 1, %0;" ::"n"(CONSUMERS) : "memory");
-}
-
 template <int H, bool PRECISE>
 __device__ __forceinline__ void score_row(
     const unsigned char* __restrict__ q, const float* __restrict__ w, const unsigned char* __restrict__ kc,
@@ -187,8 +186,8 @@ __device__ __forceinline__ void score_row(
     extern __shared__ __align__(1024) unsigned char smem[];
     unsigned char* qimg = smem;                                 // QBYTES
     unsigned char* slots = smem + QBYTES;                       // STAGES * SLOT_BYTES
-    u64* bars = reinterpret_cast<u64*>(slots + STAGES * SLOT_BYTES);  // full[STAGES], empty[STAGES]
-    int* slot_ok = reinterpret_cast<int*>(bars + 2 * STAGES);
+    u64* bars = reinterpret_cast<u64*>(slots + STAGES * SLOT_BYTES);  // full[STAGES]
+    int* slot_ok = reinterpret_cast<int*>(bars + STAGES);
 
     if (launch_dependents) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
     const int row = blockIdx.x;
@@ -196,33 +195,30 @@ __device__ __forceinline__ void score_row(
     const int splits = gridDim.y;
     const int tid = threadIdx.x;
     const int lane = tid & 31;
-    const bool producer = tid >= CONSUMERS;
+    const int warp = tid >> 5;
 
-    // every global read that does not depend on the row's length is issued beside it: the
-    // producer warp's first 32 page ids (lane l: the l-th tile of this program, within the
-    // table and the host width), the consumers' query words and head weights
+    // every global read that does not depend on the row's length is issued beside it: warp 0's
+    // first 32 page ids (lane l: the l-th tile of this program, within the table and the host
+    // width), every thread's query words and head weights
     const unsigned char* bt_row = (const unsigned char*)bt + (i64)row * bt_stride * (bt64 ? 8 : 4);
     const int width_tiles = ((sel_width < live_width ? sel_width : live_width) + PAGE - 1) / PAGE;
-    int pages_now = -1;
-    if (producer) {
+    int pages_now = -1, pages_next = -1;
+    if (warp == 0) {
         const int t = split + lane * splits;
         if (t < width_tiles) pages_now = (int)load_int(bt_row, bt64, t);
     }
     const unsigned char* q_row = q + (i64)row * (H * HEAD_DIM);
-    constexpr int QWORDS = H * (HEAD_DIM / 4) / CONSUMERS;  // 4-byte query groups per consumer
+    constexpr int QWORDS = H * (HEAD_DIM / 4) / THREADS;  // 4-byte query groups per thread
     u32 qw[QWORDS];
-    float wv[NACC / 2];
+#pragma unroll
+    for (int i = 0; i < QWORDS; ++i) qw[i] = *reinterpret_cast<const u32*>(q_row + 4 * (tid + i * THREADS));
     const int g = lane >> 2, c = lane & 3;
-    if (!producer) {
+    float wv[NACC / 2];
 #pragma unroll
-        for (int i = 0; i < QWORDS; ++i)
-            qw[i] = *reinterpret_cast<const u32*>(q_row + 4 * (tid + i * CONSUMERS));
-#pragma unroll
-        for (int i = 0; i < H / 8; ++i) {  // heads 8i + 2c, 8i + 2c + 1 (the thread's accumulator columns)
-            const float2 p = *reinterpret_cast<const float2*>(w + (i64)row * H + 8 * i + 2 * c);
-            wv[2 * i] = p.x;
-            wv[2 * i + 1] = p.y;
-        }
+    for (int i = 0; i < H / 8; ++i) {  // heads 8i + 2c, 8i + 2c + 1 (the thread's accumulator columns)
+        const float2 p = *reinterpret_cast<const float2*>(w + (i64)row * H + 8 * i + 2 * c);
+        wv[2 * i] = p.x;
+        wv[2 * i + 1] = p.y;
     }
     i64 n64 = load_int(lens, lens64, row);
     n64 = n64 < 0 ? 0 : (n64 > sel_width ? sel_width : n64);
@@ -240,53 +236,47 @@ __device__ __forceinline__ void score_row(
     if (my_tiles == 0 && !fills) return;  // CTA-uniform: no barrier was reached
 
     if (tid == 0) {
-        for (int s = 0; s < STAGES; ++s) {
-            mbar_init(smem_addr(&bars[s]), 1);
-            mbar_init(smem_addr(&bars[STAGES + s]), CONSUMERS / 32);
-        }
+        for (int s = 0; s < STAGES; ++s) mbar_init(smem_addr(&bars[s]), 1);
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();
-
-    if (producer) {  // lane 0 issues; the warp fetches page ids 32 tiles ahead
-        int pages_next = -1;
-        {
-            const int t = split + (32 + lane) * splits;
-            if (32 < my_tiles && t < width_tiles) pages_next = (int)load_int(bt_row, bt64, t);
+    // warp 0 issues tile `it` into slot it % STAGES (all its lanes: the page id comes by shuffle)
+    auto issue = [&](int it) {
+        if (it > 0 && it % 32 == 0) {  // the next 32 page ids, and a load of the 32 after them
+            pages_now = pages_next;
+            const int t = split + (it + 32 + lane) * splits;
+            pages_next = (it + 32 < my_tiles && t < width_tiles) ? (int)load_int(bt_row, bt64, t) : -1;
         }
-        for (int it = 0; it < my_tiles; ++it) {
-            if (it > 0 && it % 32 == 0) {
-                pages_now = pages_next;
-                const int t = split + (it + 32 + lane) * splits;
-                pages_next = (it + 32 < my_tiles && t < width_tiles) ? (int)load_int(bt_row, bt64, t) : -1;
+        const int page = __shfl_sync(0xffffffffu, pages_now, it % 32);
+        if (lane == 0) {
+            const int s = it % STAGES;
+            const int t = split + it * splits;
+            const bool ok = t * PAGE < n_live && page >= 0 && page < num_pages;
+            slot_ok[s] = ok ? 1 : 0;
+            const u32 full = smem_addr(&bars[s]);
+            if (ok) {
+                asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the slot's reads -> the copy
+                const unsigned char* src = kc + (i64)page * page_stride;
+                const u32 dst = smem_addr(slots + s * SLOT_BYTES);
+                mbar_expect_tx(full, SLOT_BYTES);
+                bulk_copy(dst, src, KEY_BYTES, full);
+                bulk_copy(dst + KEY_BYTES, src + KEY_BYTES, SCALE_BYTES, full);
+            } else {
+                mbar_arrive(full);
             }
-            const int page = __shfl_sync(0xffffffffu, pages_now, it % 32);
-            if (lane == 0) {
-                const int s = it % STAGES;
-                const int t = split + it * splits;
-                if (it >= STAGES) mbar_wait(smem_addr(&bars[STAGES + s]), ((it / STAGES) - 1) & 1);
-                const bool ok = t * PAGE < n_live && page >= 0 && page < num_pages;
-                slot_ok[s] = ok ? 1 : 0;
-                const u32 full = smem_addr(&bars[s]);
-                if (ok) {
-                    const unsigned char* src = kc + (i64)page * page_stride;
-                    const u32 dst = smem_addr(slots + s * SLOT_BYTES);
-                    mbar_expect_tx(full, SLOT_BYTES);
-                    bulk_copy(dst, src, KEY_BYTES, full);
-                    bulk_copy(dst + KEY_BYTES, src + KEY_BYTES, SCALE_BYTES, full);
-                } else {
-                    mbar_arrive(full);
-                }
-            }
-            __syncwarp();
         }
-        return;
+        __syncwarp();
+    };
+    if (warp == 0) {
+        const int t = split + (32 + lane) * splits;
+        if (32 < my_tiles && t < width_tiles) pages_next = (int)load_int(bt_row, bt64, t);
+        for (int it = 0; it < STAGES && it < my_tiles; ++it) issue(it);
     }
 
-    // consumers: the query as the B operand image
+    // the query as the B operand image
 #pragma unroll
     for (int i = 0; i < QWORDS; ++i) {  // 4-byte group gi: head gi / 32, physical dims p .. p + 3
-        const int gi = tid + i * CONSUMERS;
+        const int gi = tid + i * THREADS;
         const int h = gi / (HEAD_DIM / 4);
         const int p = (gi % (HEAD_DIM / 4)) * 4;
         const u32 v = qw[i];
@@ -295,8 +285,10 @@ __device__ __forceinline__ void score_row(
         if (PRECISE) {  // j = (p % 32) / 4; dims (p, p+1) -> kl 2c, 2c+1; (p+2, p+3) -> kl 2c+8, 2c+9
             const int j = (p % 32) / 4;
             unsigned char* base = qimg + j * STEP_BYTES + core;
-            *reinterpret_cast<u32*>(base + (2 * cq) * 2) = f16x2_of_e4m3x2(v & 0xFFFFu);
-            *reinterpret_cast<u32*>(base + 128 + (2 * cq) * 2) = f16x2_of_e4m3x2(v >> 16);
+            u32 lo, hi;
+            f16x4_of_e4m3x4(v, lo, hi);
+            *reinterpret_cast<u32*>(base + (2 * cq) * 2) = lo;
+            *reinterpret_cast<u32*>(base + 128 + (2 * cq) * 2) = hi;
         } else {  // j = (p % 32) / 8, hi = (p % 8) / 4: dims p .. p+3 -> kl 16hi + 4c .. + 3
             const int j = (p % 32) / 8;
             const int hi = (p % 8) / 4;
@@ -304,8 +296,8 @@ __device__ __forceinline__ void score_row(
         }
     }
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // generic writes -> wgmma reads
-    const int m0 = (tid >> 5) * 16 + g;  // the thread's token rows m0, m0 + 8 of a tile
-    consumer_bar();
+    const int m0 = warp * 16 + g;  // the thread's token rows m0, m0 + 8 of a tile
+    __syncthreads();
     const u32 qbase = smem_addr(qimg);
     const int swap = g & 1;  // odd rows read their second 16 bytes first: no bank conflict with row g - 1
 
@@ -325,28 +317,21 @@ __device__ __forceinline__ void score_row(
         const uint4 lo1 = swap ? r1b : r1a, hi1 = swap ? r1a : r1b;
         const u32 k0[8] = {lo0.x, lo0.y, lo0.z, lo0.w, hi0.x, hi0.y, hi0.z, hi0.w};  // row m0, bytes 32c ..
         const u32 k1[8] = {lo1.x, lo1.y, lo1.z, lo1.w, hi1.x, hi1.y, hi1.z, hi1.w};  // row m0 + 8
-        __syncwarp();
-        if (lane == 0) mbar_arrive(smem_addr(&bars[STAGES + s]));  // the slot may be refilled
+        __syncthreads();  // every thread has read slot s: warp 0 may refill it
+        if (warp == 0 && it + STAGES < my_tiles) issue(it + STAGES);
 
         // the A operand of every k-step, written before the fence (wgmma reads registers that
         // other instructions wrote only across a wgmma.fence)
         u32 a[16];
+        u32 b[PRECISE ? 16 : 1];
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
             if (PRECISE) {  // k16 step j: rows m0, m0 + 8 at kl 2c, 2c+1 (a0, a1), 2c+8, 2c+9 (a2, a3)
-                a[2 * j] = f16x2_of_e4m3x2(k0[j] & 0xFFFFu);
-                a[2 * j + 1] = f16x2_of_e4m3x2(k1[j] & 0xFFFFu);
+                f16x4_of_e4m3x4(k0[j], a[2 * j], b[2 * j]);
+                f16x4_of_e4m3x4(k1[j], a[2 * j + 1], b[2 * j + 1]);
             } else {
                 a[2 * j] = k0[j];
                 a[2 * j + 1] = k1[j];
-            }
-        }
-        u32 b[PRECISE ? 16 : 1];
-        if (PRECISE) {
-#pragma unroll
-            for (int j = 0; j < 8; ++j) {
-                b[2 * j] = f16x2_of_e4m3x2(k0[j] >> 16);
-                b[2 * j + 1] = f16x2_of_e4m3x2(k1[j] >> 16);
             }
         }
         float d[NACC];
@@ -400,7 +385,7 @@ __device__ __forceinline__ void score_row(
 }
 
 #define SCORE_KERNEL(H, P)                                                                              \
-    extern "C" __global__ void __launch_bounds__(THREADS, 4) score_h##H##_p##P(                           \
+    extern "C" __global__ void __launch_bounds__(THREADS, CTAS_PER_SM) score_h##H##_p##P(                           \
         const unsigned char* __restrict__ q, const float* __restrict__ w,                               \
         const unsigned char* __restrict__ kc, const void* bt, int bt64, i64 bt_stride, const void* lens, \
         int lens64, const void* active, int active64, float* __restrict__ out, i64 out_stride,          \

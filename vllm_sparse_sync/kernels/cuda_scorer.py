@@ -26,10 +26,13 @@ CAPABILITY = (9, 0)
 PAGE = 64
 HEAD_DIM = 128
 HEADS = (32, 64)
-STAGES = 4
+STAGES = 3
 """pages in flight per CTA (the source's ``STAGES``)"""
-THREADS = 160
-"""one producer warp and one consumer warpgroup"""
+THREADS = 128
+"""one warpgroup"""
+CTAS_PER_SM = 5
+"""CTAs one SM holds (the source's ``CTAS_PER_SM``: its register bound); ``scorer.cuda_ctas_per_sm``
+sizes the grid"""
 SLOT_BYTES = PAGE * (HEAD_DIM + 4)
 
 
@@ -45,9 +48,9 @@ def kernel_name(heads: int, precise: bool) -> str:
 
 def smem_bytes(heads: int, precise: bool) -> int:
     """Dynamic shared memory of one CTA: the query as the wgmma B operand, the page ring, its
-    full and empty barriers and the slots' validity flags."""
+    barriers and the slots' validity flags."""
     qbytes = heads * HEAD_DIM * (2 if precise else 1)
-    return qbytes + STAGES * SLOT_BYTES + 2 * STAGES * 8 + STAGES * 4
+    return qbytes + STAGES * SLOT_BYTES + STAGES * 8 + STAGES * 4
 
 
 @cache

@@ -99,18 +99,21 @@ def fused_grid(rows: int, width: int, page: int, slots: int, max_keys: int,
     return _cdiv(tiles, per_part), per_part
 
 
-def score_splits(rows: int, num_sms: int, config: KernelConfig = DEFAULT_CONFIG) -> int:
-    """Scorer programs per row for a call of ``rows`` rows."""
-    return max(1, num_sms * config.scorer.ctas_per_sm // max(rows, 1))
+def score_splits(rows: int, num_sms: int, config: KernelConfig = DEFAULT_CONFIG, scorer: str = TRITON) -> int:
+    """Programs per row of the ``scorer`` kernel for a call of ``rows`` rows."""
+    per_sm = config.scorer.cuda_ctas_per_sm if scorer == CUDA else config.scorer.ctas_per_sm
+    return max(1, num_sms * per_sm // max(rows, 1))
 
 
-def scorer_for(page: int, device: DeviceInfo, config: KernelConfig = DEFAULT_CONFIG) -> str:
-    """The unfused scorer kernel: ``CUDA`` for the exact path (``scorer.precise``) where the
-    device can run it, ``config.scorer.cuda`` asks for it and pages are 64 tokens (the kernel's
-    tile), else ``TRITON`` (also for the e4m3 path, where Triton's kernel measured faster:
-    benchmarks/NOTES.md, run 63)."""
+def scorer_for(rows: int, page: int, device: DeviceInfo, config: KernelConfig = DEFAULT_CONFIG) -> str:
+    """The unfused scorer kernel of a call of ``rows`` rows: ``CUDA`` for the exact path
+    (``scorer.precise``) from ``scorer.cuda_min_rows`` rows up, where the device can run it,
+    ``scorer.cuda`` asks for it and pages are 64 tokens (the kernel's tile); else ``TRITON``
+    (also for the e4m3 path, where Triton's kernel measured faster: benchmarks/NOTES.md, runs
+    63-65)."""
     sc = config.scorer
-    return CUDA if device.cuda_scorer and sc.cuda and sc.precise and page == 64 else TRITON
+    ok = device.cuda_scorer and sc.cuda and sc.precise and page == 64 and rows >= sc.cuda_min_rows
+    return CUDA if ok else TRITON
 
 
 def topk_algo_for(rows: int, config: KernelConfig = DEFAULT_CONFIG, device: DeviceInfo | None = None) -> str:
@@ -147,8 +150,8 @@ def plan_route(rows: int, width: int, page: int, device: DeviceInfo,
         if grid is not None:
             return Route(FUSED, rows, fused_parts=grid[0], fused_tiles=grid[1])
     r = max(rows, 1)
-    splits = score_splits(rows, sms, config) if score else 0
-    scorer = scorer_for(page, device, config) if score else TRITON
+    scorer = scorer_for(rows, page, device, config) if score else TRITON
+    splits = score_splits(rows, sms, config, scorer) if score else 0
     algo = topk_algo_for(rows, config, device)
     if algo == CUDA_RADIX:
         plan = None

@@ -19,14 +19,19 @@ def cuda_scorer_ok(device: torch.device) -> bool:
     return status(device.index if device.index is not None else torch.cuda.current_device())[0]
 
 
+def scorer_kind(rows: int, page: int, device: torch.device, config) -> str:
+    """The kernel ``route.scorer_for`` picks for a call of ``rows`` rows on ``device``
+    (``config``: a ``KernelConfig``)."""
+    from .route import DeviceInfo, scorer_for
+
+    return scorer_for(rows, page, DeviceInfo(1, cuda_scorer=cuda_scorer_ok(device)), config)
+
+
 def launch_score(q_fp8, weights, k_cache, block_table, row_lens, active, out, *, page_size, sel_width,
-                 fill_width, splits, config, kind: str | None = None) -> str:
+                 fill_width, splits, config, kind: str) -> str:
     """Score ``out`` (arguments as ``triton_scorer.launch_score``; ``config``: a ``ScorerConfig``)
-    with the ``kind`` of kernel the route chose (None: as ``route.scorer_for`` would: ``CUDA`` for
-    the exact path where ``config.cuda`` and the device allow it); a call the CUDA kernel is not
-    built for runs on Triton. Returns the kind run."""
-    if kind is None:
-        kind = CUDA if config.cuda and config.precise and cuda_scorer_ok(q_fp8.device) else TRITON
+    with the ``kind`` of kernel the route chose (``route.scorer_for``); a call the CUDA kernel is
+    not built for runs on Triton. Returns the kind run."""
     if kind == CUDA:
         from . import cuda_scorer
 

@@ -14,7 +14,7 @@ from .config import DEFAULT_CONFIG, KernelConfig
 from .route import CUDA_RADIX, SAMPLE, Route, score_splits
 from .triton_cache import write_k_cache_kernel
 from .triton_fused import launch_fused_step
-from .scorer import launch_score
+from .scorer import launch_score, scorer_kind
 from .triton_topk import launch_radix_topk
 from .triton_topk_sample import launch_sample_topk
 from .workspace import IndexerTopkWorkspace
@@ -121,11 +121,12 @@ def paged_indexer_logits(
            f"must be float32 [{rows}, {width}] with contiguous rows")
     if rows == 0 or width == 0:
         return out
-    splits = score_splits(rows, _sms(q_fp8.device), config)
+    kind = scorer_kind(rows, page, q_fp8.device, config)
+    splits = score_splits(rows, _sms(q_fp8.device), config, kind)
     launch_score(
         q_fp8, weights, k_cache, block_table, row_lens, active_width, out, page_size=page,
         sel_width=min(width, block_table.shape[1] * page), fill_width=width, splits=splits,
-        config=config.scorer,
+        config=config.scorer, kind=kind,
     )
     return out
 
