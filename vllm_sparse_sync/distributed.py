@@ -15,7 +15,7 @@ its own process, with the metadata of its own ``IndexerMetadataBuilder`` (DCP-lo
 
 Nothing is read from the device on the host and every shape is static for a row count, so with
 NCCL the whole step (builder output, scorer, local top-k, all-gather, merge, remap) captures in
-one CUDA graph. On CUDA the local stage is the Triton scorer and the planner's unfused top-k
+one CUDA graph. On CUDA the local stage is the planner's scorer and unfused top-k
 (the CUDA top-k where it can run; unfused, so that the scores of the selected positions can be
 read from the workspace); elsewhere a sync-free torch
 version of the reference (dense, for small shapes: tests and gloo on CPUs).
