@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from vllm_sparse_sync.kernels import reference as ref
-from vllm_sparse_sync.kernels.config import DEFAULT_CONFIG
+from vllm_sparse_sync.kernels.config import DEFAULT_CONFIG, ScorerConfig
 from vllm_sparse_sync.kernels.synth import make_case
 
 
@@ -41,7 +41,7 @@ def _score(case, width, *, precise, active=None, fill=True, splits=None, lens=No
     out = torch.full((rows, width), 7.0, device=DEV)  # a sentinel where nothing is written
     splits = splits or score_splits(rows, torch.cuda.get_device_properties(0).multi_processor_count)
     assert cuda_scorer.takes(case.q_fp8, case.k_cache, table, 64, splits)
-    cfg = DEFAULT_CONFIG.scorer.__class__(precise=precise)
+    cfg = ScorerConfig(precise=precise)
     cuda_scorer.launch_cuda_score(case.q_fp8, case.weights, case.k_cache, table, lens, active, out,
                                   page_size=64, sel_width=sel, fill_width=width if fill else 0,
                                   splits=splits, config=cfg)

@@ -100,74 +100,42 @@ __device__ __forceinline__ u64 b_desc(u32 addr) {
     return (u64)((addr >> 4) & 0x3FFF) | ((u64)(128 >> 4) << 16) | ((u64)(256 >> 4) << 32);
 }
 
+// One wgmma of a k-step, A from registers, B from the descriptor; accumulate = 0 starts the sum.
+// The e4m3 forms take no transpose flag (TAIL), the f16 forms a 0 (B is K-major).
 #define ACC16(d) "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), \
     "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),           \
     "+f"(d[14]), "+f"(d[15])
+#define ACC32(d) ACC16(d), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), \
+    "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]),             \
+    "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+#define D16 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
+#define D32 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+// after N accumulators: a0..a3, the descriptor, the predicate; and the accumulate flag's operand
+#define OPS16 "{%16, %17, %18, %19}, %21, p"
+#define FLAG16 "%20"
+#define OPS32 "{%32, %33, %34, %35}, %37, p"
+#define FLAG32 "%36"
 
 template <int N, bool PRECISE>
 struct Mma;
 
-template <>
-struct Mma<64, true> {
-    __device__ __forceinline__ static void run(float (&d)[32], u32 a0, u32 a1, u32 a2, u32 a3, u64 desc,
-                                               u32 accumulate) {
-        asm volatile(
-            "{\n.reg .pred p;\nsetp.ne.b32 p, %36, 0;\n"
-            "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
-            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-            "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-            "{%32, %33, %34, %35}, %37, p, 1, 1, 0;\n}\n"
-            : ACC16(d), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]),
-              "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]),
-              "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-            : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(accumulate), "l"(desc));
-    }
-};
+#define MMA(N, P, INSTR, TAIL, DREGS, OPS, FLAG, ACC)                                                   \
+    template <>                                                                                     \
+    struct Mma<N, P> {                                                                              \
+        __device__ __forceinline__ static void run(float (&d)[N / 2], u32 a0, u32 a1, u32 a2, u32 a3, \
+                                                   u64 desc, u32 accumulate) {                      \
+            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " FLAG ", 0;\n" INSTR " " DREGS ", " OPS  \
+                         ", 1, 1" TAIL ";\n}\n"                                                     \
+                         : ACC(d)                                                                   \
+                         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(accumulate), "l"(desc));         \
+        }                                                                                           \
+    };
 
-template <>
-struct Mma<64, false> {
-    __device__ __forceinline__ static void run(float (&d)[32], u32 a0, u32 a1, u32 a2, u32 a3, u64 desc,
-                                               u32 accumulate) {
-        asm volatile(
-            "{\n.reg .pred p;\nsetp.ne.b32 p, %36, 0;\n"
-            "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 "
-            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-            "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-            "{%32, %33, %34, %35}, %37, p, 1, 1;\n}\n"
-            : ACC16(d), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]),
-              "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]),
-              "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-            : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(accumulate), "l"(desc));
-    }
-};
-
-template <>
-struct Mma<32, true> {
-    __device__ __forceinline__ static void run(float (&d)[16], u32 a0, u32 a1, u32 a2, u32 a3, u64 desc,
-                                               u32 accumulate) {
-        asm volatile(
-            "{\n.reg .pred p;\nsetp.ne.b32 p, %20, 0;\n"
-            "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 "
-            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
-            "{%16, %17, %18, %19}, %21, p, 1, 1, 0;\n}\n"
-            : ACC16(d)
-            : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(accumulate), "l"(desc));
-    }
-};
-
-template <>
-struct Mma<32, false> {
-    __device__ __forceinline__ static void run(float (&d)[16], u32 a0, u32 a1, u32 a2, u32 a3, u64 desc,
-                                               u32 accumulate) {
-        asm volatile(
-            "{\n.reg .pred p;\nsetp.ne.b32 p, %20, 0;\n"
-            "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3 "
-            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
-            "{%16, %17, %18, %19}, %21, p, 1, 1;\n}\n"
-            : ACC16(d)
-            : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(accumulate), "l"(desc));
-    }
-};
+MMA(64, true, "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16", ", 0", D32, OPS32, FLAG32, ACC32)
+MMA(64, false, "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3", "", D32, OPS32, FLAG32, ACC32)
+MMA(32, true, "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16", ", 0", D16, OPS16, FLAG16, ACC16)
+MMA(32, false, "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3", "", D16, OPS16, FLAG16, ACC16)
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
