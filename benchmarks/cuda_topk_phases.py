@@ -224,10 +224,15 @@ def main() -> None:
                       f"{' '.join(a.define)} {src or 'library'} "
                       f"total {res[NAMES[stops[-1]]]:.2f} us: " + ", ".join(parts),
                       flush=True)
-    path = a.out or (os.path.join(os.environ["OUT"], "cuda_topk_phases.json") if os.environ.get("OUT") else None)
+    write_rows(rows_out, a.out, "cuda_topk_phases.json")
+
+
+def write_rows(rows: list, path: str | None, default_name: str) -> None:
+    """The rows as JSON at ``path``, or at ``$OUT/default_name`` when $OUT is set (else nowhere)."""
+    path = path or (os.path.join(os.environ["OUT"], default_name) if os.environ.get("OUT") else None)
     if path:
         with open(path, "w") as fh:
-            json.dump(rows_out, fh, indent=1)
+            json.dump(rows, fh, indent=1)
 
 
 if __name__ == "__main__":

@@ -381,20 +381,25 @@ def test_status_says_why_without_a_device():
     assert isinstance(why, str) and why
 
 
-def _phases_tool():
+def _bench_tool(name: str):
+    """benchmarks/<name>.py as a module (the benchmarks folder on the path while it loads)."""
     import importlib.util
     import pathlib
     import sys
 
     bench = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
-    sys.path.insert(0, str(bench))  # its graph_timer
+    sys.path.insert(0, str(bench))  # its graph_timer, cuda_topk_phases
     try:
-        spec = importlib.util.spec_from_file_location("cuda_topk_phases", bench / "cuda_topk_phases.py")
+        spec = importlib.util.spec_from_file_location(name, bench / f"{name}.py")
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)
     finally:
         sys.path.remove(str(bench))
     return mod
+
+
+def _phases_tool():
+    return _bench_tool("cuda_topk_phases")
 
 
 def test_phase_cuts_anchor_in_the_library_source():
@@ -418,4 +423,19 @@ def test_phase_cut_compiles():
     ph = _phases_tool()
     for stop in (22, 31):
         cubin, _ = cuda_topk.compile_source("sm_90", text=ph.cut_source(stop, keep={(8, 1024), (1, 1024)}))
+        assert len(cubin) > 1000
+
+
+def test_trace_stamps_anchor_in_the_library_source():
+    """benchmarks/cuda_topk_trace.py: every stamp finds its place in cuda_topk.cu, each slot is
+    stamped, and a source without an anchor is refused by name."""
+    tr = _bench_tool("cuda_topk_trace")
+    text = tr.traced_source(None, {(1, 512)})
+    for slot, _, anchor, _ in tr.POINTS:
+        assert f"vss_stamp({slot});\n{anchor}" in text, (slot, anchor)
+    assert len({p[0] for p in tr.POINTS}) == len(tr.POINTS) and max(p[0] for p in tr.POINTS) < tr.GT_END
+    with pytest.raises(ValueError, match="anchor not in the source"):
+        tr.traced_source(cuda_topk.source().replace("    // collect: per group", "    // gather"), None)
+    if NVRTC_OK:
+        cubin, _ = cuda_topk.compile_source("sm_90", text=text)
         assert len(cubin) > 1000
