@@ -296,6 +296,13 @@ def test_plan_cluster_table():
         cuda_topk.plan_cluster(4, 4096, 132, H200_SMEM, cluster=3)
     # more CTAs than SMs: 512-thread CTAs share an SM, so each keeps half the keys
     assert cuda_topk.plan_cluster(300, 131072, 132, H200_SMEM, threads=512).cap < plan(300, 131072).cap
+    # one CTA per row and a bound that 512 threads hold in registers: 512 threads; else 1024
+    threads = {(1, 4096): 512, (1, 8192): 512, (128, 8192): 512, (1000, 8192): 512, (1, 8196): 1024,
+               (1, 16384): 1024, (32, 16384): 1024, (1, 65536): 1024, (8, 131072): 1024}
+    assert {shape: plan(*shape).threads for shape in threads} == threads
+    assert cuda_topk.plan_cluster(1, 4096, 132, H200_SMEM, cluster=2).threads == 1024  # a cluster
+    assert cuda_topk.plan_cluster(1, 4096, 132, H200_SMEM, threads=1024).threads == 1024  # forced
+    assert cuda_topk.SMALL_ROW_KEYS == 4 * 4 * 512 and emu.in_registers(cuda_topk.SMALL_ROW_KEYS, 512)
 
 
 def test_emulation_is_deterministic_and_storage_blind():

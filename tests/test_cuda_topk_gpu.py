@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from vllm_sparse_sync.kernels import cuda_topk_emu as emu
 from vllm_sparse_sync.kernels import reference as ref
@@ -185,6 +187,40 @@ def test_listed_bins_in_registers_rank_by_key_then_position(route, width):
     lens = torch.full((2,), 12000, dtype=torch.int32)
     got = _launch(rows.to(DEV), lens.to(DEV), torch.empty(2, K, dtype=torch.int32, device=DEV), route=route)
     assert torch.equal(got.cpu(), emu.topk_indices(rows, lens, K))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n=st.integers(2100, 16384), listed=st.integers(2, 128), distinct=st.integers(1, 128),
+       k=st.sampled_from([64, 2048]), data=st.data())
+def test_one_cta_listed_bins_of_every_size_write_the_emulated_row(n, listed, distinct, k, data):
+    """A row in registers whose pass-A bin of the k-th key holds 2-128 keys (ranked by each
+    thread for at most 32, by groups of threads past that), with 1..listed distinct values in it
+    and equal keys at random positions: element for element against the emulation, on the C = 1
+    kernel of 1024 and 512 threads and on a cluster's first CTA under the 128K bound."""
+    need = data.draw(st.integers(1, min(listed - 1, k)), label="need")
+    seed = data.draw(st.integers(0, 2**31 - 1), label="seed")
+    g = torch.Generator().manual_seed(seed)
+    x = -1.0 - torch.rand(n, generator=g)  # below every selected key
+    pos = torch.randperm(n, generator=g)
+    above = k - need
+    x[pos[:above]] = 100.0 + torch.arange(above, dtype=torch.float32)
+    values = 1.0 + torch.randint(0, min(distinct, listed), (listed,), generator=g).float() * 2**-20
+    x[pos[above:above + listed]] = values  # one pass-A bin (64 per octave): [1, 1 + 2^-6)
+    plan = emu.plan_cluster_row(emu.order_keys(x), k, solo=True)
+    assert (plan.listed, plan.count, plan.need, plan.passes) == (True, listed, need, 0)
+    lens = torch.tensor([n], dtype=torch.int32)
+    want = emu.topk_indices(x[None], lens, k)
+    launches = [(1, n, 1024), (8, 131072, 1024)] + ([(1, n, 512)] if n <= 8192 else [])
+    for route, width, threads in launches:
+        from vllm_sparse_sync.kernels.cuda_topk import launch_cuda_topk_cluster
+
+        row = torch.full((1, width), 1e30)  # a tail past the live length that would win
+        row[0, :n] = x
+        xd = row.to(DEV)
+        out = torch.empty(1, k, dtype=torch.int32, device=DEV)
+        launch_cuda_topk_cluster(xd, xd.stride(0), lens.to(DEV), None, out, k, width, cluster=route,
+                                 threads=threads)
+        assert torch.equal(out.cpu(), want), (route, width, threads)
 
 
 @pytest.mark.parametrize("cluster", [2, 4, 8])

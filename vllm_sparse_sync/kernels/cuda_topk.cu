@@ -121,6 +121,41 @@ __device__ __forceinline__ void find_bin(const u32* hist, int nbins, u32 need, u
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int per = nbins > THREADS ? nbins / THREADS : (tid < nbins ? 1 : 0);
     const int hi = nbins - 1 - tid * per;  // this thread's bins: hi, hi-1, ..., hi-per+1
+    if (nbins == 4 * THREADS || nbins == 8 * THREADS) {  // block-uniform: the bins stay in registers
+        u32 h[8];  // h[i]: bin hi - i
+        const uint4 q0 = *reinterpret_cast<const uint4*>(hist + hi - 3);
+        h[0] = q0.w, h[1] = q0.z, h[2] = q0.y, h[3] = q0.x;
+        h[4] = h[5] = h[6] = h[7] = 0u;
+        if (nbins == 8 * THREADS) {
+            const uint4 q1 = *reinterpret_cast<const uint4*>(hist + hi - 7);
+            h[4] = q1.w, h[5] = q1.z, h[6] = q1.y, h[7] = q1.x;
+        }
+        const u32 local = ((h[0] + h[1]) + (h[2] + h[3])) + ((h[4] + h[5]) + (h[6] + h[7]));
+        const u32 wsum = __reduce_add_sync(FULL_MASK, local);
+        __syncwarp();  // every lane of this warp has read s_warp in an earlier call
+        if (lane == 0) s_warp[warp] = wsum;
+        block_bar<THREADS, BAR>();
+        const u32 t = lane < WARPS ? s_warp[lane] : 0u;
+        const u32 base = __reduce_add_sync(FULL_MASK, lane < warp ? t : 0u);  // the warps above this one
+        if (base < need && base + wsum >= need) {  // warp-uniform: this warp holds the need-th
+            const u32 excl = base + warp_incl_scan(local, lane) - local;
+            if (excl < need && excl + local >= need) {
+                u32 cum = excl;
+#pragma unroll
+                for (int i = 0; i < 8; ++i) {
+                    if (cum + h[i] >= need) {
+                        s_res[0] = (u32)(hi - i);
+                        s_res[1] = need - cum;
+                        s_res[2] = h[i];
+                        break;
+                    }
+                    cum += h[i];
+                }
+            }
+        }
+        block_bar<THREADS, BAR>();
+        return;
+    }
     u32 local = 0;
     if (per % 4 == 0) {  // the thread's bins [hi - per + 1, hi] start at a multiple of 4
         for (int i = hi - per + 1; i <= hi; i += 4) {
@@ -1153,16 +1188,22 @@ __device__ __forceinline__ void topk_reg_body(const float* __restrict__ x, int n
     }
     const u32 live = reg_slots_upto<J, ACT>(len - 1, tid);
 #define REG_POS(i) (((i) >> 2) * 4 * ACT + 4 * tid + ((i) & 3))
-// the slots i = 4 * j + c of this thread in MASK, group by group (the dead groups skipped)
-#define FOR_SLOTS(MASK, BODY)                            \
+// every slot i = 4 * j + c of this thread's live groups, group by group (the dead groups skipped)
+#define FOR_GROUP_SLOTS(BODY)                            \
     _Pragma("unroll") for (int j = 0; j < J; ++j) {      \
         if (j >= jn) break;                              \
         _Pragma("unroll") for (int c = 0; c < 4; ++c) {  \
             const int i = 4 * j + c;                     \
-            if (((MASK) >> i) & 1u) { BODY }             \
+            BODY                                         \
         }                                                \
     }
-    FOR_SLOTS(live, atomicAdd(&hist[multi ? key[i] >> 21 : solo_bin(key[i])], 1u);)
+// the slots of this thread in MASK
+#define FOR_SLOTS(MASK, BODY) FOR_GROUP_SLOTS(if (((MASK) >> i) & 1u) { BODY })
+    // pass A without a branch per key: a dead slot of the live groups counts into bin 0, and
+    // thread 0 takes those counts back
+    FOR_GROUP_SLOTS(const u32 b = multi ? key[i] >> 21 : solo_bin(key[i]);
+                    atomicAdd(&hist[((live >> i) & 1u) ? b : 0u], 1u);)
+    if (tid == 0 && jn * 4 * ACT > len) atomicSub(&hist[0], (u32)(jn * 4 * ACT - len));
     block_bar<ACT, BAR>();
     const u32* totals = hist;
     if (multi) {
@@ -1305,16 +1346,7 @@ __device__ __forceinline__ void topk_reg_body(const float* __restrict__ x, int n
     // (after the lower ranks' totals) gives the selected keys before; they go there in position order
     const u32 upto = reg_slots_upto<J, ACT>(kp < len - 1 ? (kp < -1 ? -1 : kp) : len - 1, tid);
     u32 gt = 0u, eq = 0u;
-#pragma unroll
-    for (int j = 0; j < J; ++j) {
-        if (j >= jn) break;
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-            const int i = 4 * j + c;
-            if (key[i] > kv) gt |= 1u << i;
-            if (key[i] == kv) eq |= 1u << i;
-        }
-    }
+    FOR_GROUP_SLOTS(if (key[i] > kv) gt |= 1u << i; if (key[i] == kv) eq |= 1u << i;)
     const u32 sel = (gt & live) | (eq & upto);
     reg_group_counts<W>(sel, v);
     reg_packed_scan<ACT, BAR, W>(v, nw, excl, total, sc.scan);
@@ -1347,6 +1379,7 @@ __device__ __forceinline__ void topk_reg_body(const float* __restrict__ x, int n
         }
     }
 #undef FOR_SLOTS
+#undef FOR_GROUP_SLOTS
 #undef REG_POS
 }
 

@@ -105,8 +105,13 @@ class ClusterPlan:
     threads: int = 1024
 
 
+SMALL_ROW_KEYS = 4 * 4 * 512
+"""the longest row 512 threads hold in registers (``4 * CLUSTER_UNROLL * 512``): a one-CTA plan for
+a bound of at most this many keys launches 512 threads per CTA (``plan_cluster``)"""
+
+
 def plan_cluster(rows: int, sel_width: int, sm_count: int, smem_optin: int,
-                 cluster: int | None = None, threads: int = 1024) -> ClusterPlan | None:
+                 cluster: int | None = None, threads: int | None = None) -> ClusterPlan | None:
     """The cluster route's launch for ``rows`` rows of at most ``sel_width`` live keys (pure host
     logic), or None where it cannot take them (no rows, more than 65535 rows, no shared memory).
 
@@ -115,9 +120,11 @@ def plan_cluster(rows: int, sel_width: int, sm_count: int, smem_optin: int,
     clusters pack less densely into the GPU's processing clusters); 1 past that, and 1 for a
     bound of at most ``SOLO_MAX`` keys (a wider bound's cluster runs such rows on its first CTA,
     whose capacity covers them). Keys per CTA:
-    the chunk of ``sel_width``, at most what fits the shared memory of one CTA per SM. The size
-    and capacity follow the rows and the host bound, never live lengths: the device splits each
-    row by its live length.
+    the chunk of ``sel_width``, at most what fits the shared memory of one CTA per SM. Threads per
+    CTA (unless forced by ``threads``): 512 for one CTA per row and a bound of at most
+    ``SMALL_ROW_KEYS`` (the row fits their registers, and fewer warps finish it sooner), else 1024.
+    The size, capacity and threads follow the rows and the host bound, never live lengths: the
+    device splits each row by its live length.
     """
     if rows < 1 or rows > 65535 or sm_count < 1:
         return None
@@ -126,6 +133,8 @@ def plan_cluster(rows: int, sel_width: int, sm_count: int, smem_optin: int,
         cluster = fits[-1] if fits and sel_width > SOLO_MAX else 1
     elif cluster not in CLUSTER_SIZES:
         raise ValueError(f"cuda top-k: cluster size must be one of {CLUSTER_SIZES}, got {cluster!r}")
+    if threads is None:
+        threads = 512 if cluster == 1 and sel_width <= SMALL_ROW_KEYS else 1024
     if threads not in CLUSTER_THREADS:
         raise ValueError(f"cuda top-k: cluster threads must be one of {CLUSTER_THREADS}, got {threads!r}")
     per_sm = 1 if rows * cluster <= sm_count else 1024 // threads  # what the registers allow
@@ -395,12 +404,13 @@ def launch_cuda_topk_cluster(
     nan_low: bool = True,
     cluster: int | None = None,
     cap: int | None = None,
-    threads: int = 1024,
+    threads: int | None = None,
     pdl: bool = True,
 ) -> ClusterPlan:
     """A cluster of CTAs per row (``plan_cluster``'s, or ``cluster``): the output of
     ``launch_cuda_topk``, element for element. ``cap`` overrides the keys kept in shared memory
-    (a multiple of 4, at most the plan's). ``pdl``: a programmatic dependent launch, whose
+    (a multiple of 4, at most the plan's); ``threads`` forces the CTAs' threads (512 or 1024; the
+    plan's otherwise). ``pdl``: a programmatic dependent launch, whose
     shared-memory setup overlaps the end of the stream's previous kernel (the scorer, in a
     step); the kernel reads nothing global before that kernel has completed. Returns the plan
     launched.
