@@ -6,7 +6,7 @@ CUDA-graph replay. Phase times are differences of cumulative times.
 
 A case is ``C:BxL`` (C CTAs per row, B rows of L live keys, host width L) or ``C:BxL/W`` (host
 width W: the plan a wider bound gets, e.g. a short row on a cluster's first CTA), with ``@T`` at
-the end for a launch of T threads per CTA (default 1024). ``--define
+the end for a launch of T threads per CTA (default: the planner's for that width). ``--define
 SHORT_ACT=256`` compiles a variant of the source (a macro it leaves open); ``--stops 99`` times
 the whole kernel only (one compile). ``--source A.cu --source ''`` times copies side by side on
 the same inputs; ``--logits indexer --per-seed`` times benchmarks/indexer.py's logits of each seed
@@ -102,6 +102,28 @@ def cut_source(stop: int, defines: tuple[str, ...] = (), base: str | None = None
     return f"#define STOP_AT {stop}\n" + text
 
 
+CASE = re.compile(r"(\d+):(\d+)x(\d+)(?:/(\d+))?(?:@(\d+))?")
+
+
+def parse_cases(text: str, sm_count: int, smem_optin: int) -> list[tuple]:
+    """``C:BxL[/W][@T]`` cases, comma-separated, as ``(C, B, L, W, plan)``: C CTAs per row, B
+    rows of L live keys under the host width W (default L), T threads per CTA (default: the
+    planner's for that width); a case the syntax or the planner refuses raises ValueError."""
+    cases = []
+    for case in text.split(","):
+        m = CASE.fullmatch(case.strip())
+        if m is None:
+            raise ValueError(f"case {case!r}: want C:BxL[/W][@T], e.g. 8:1x4096/131072@1024")
+        C, B, L = int(m[1]), int(m[2]), int(m[3])
+        W = int(m[4]) if m[4] else L
+        threads = int(m[5]) if m[5] else None
+        plan = cuda_topk.plan_cluster(B, W, sm_count, smem_optin, cluster=C, threads=threads)
+        if plan is None:
+            raise ValueError(f"case {case!r}: the cluster route cannot plan it")
+        cases.append((C, B, L, W, plan))
+    return cases
+
+
 def time_cut(mod, fn, plan, cluster: int, xs: list, lens, out, ncalls: int) -> float:
     """us per launch of one cut kernel over rotating inputs (CUDA-graph replays)."""
     rows, width = xs[0].shape
@@ -170,16 +192,7 @@ def main() -> None:
     driver = mod.driver
     fake = types.SimpleNamespace(driver=driver, ctx=mod.ctx)
     major, minor = torch.cuda.get_device_capability()
-    cases = []
-    for case in a.cases.split(","):
-        C, shape = case.split(":")
-        C = int(C)
-        shape, _, wide = shape.partition("/")
-        B, L = (int(p) for p in shape.partition("@")[0].split("x"))
-        W = int(wide.partition("@")[0]) if wide else L
-        threads = int(wide.partition("@")[2] or shape.partition("@")[2] or 1024)
-        cases.append((C, B, L, W, cuda_topk.plan_cluster(B, W, mod.sm_count, mod.smem_optin, cluster=C,
-                                                         threads=threads)))
+    cases = parse_cases(a.cases, mod.sm_count, mod.smem_optin)
     keep = {(c[0], c[4].threads) for c in cases}
     jobs = [(src, stop) for src in sources for stop in stops]
     texts = [cut_source(stop, tuple(a.define), bases.get(src), keep) for src, stop in jobs]

@@ -2,7 +2,7 @@
 at its phase boundaries (an experiment copy, compiled here; the library source is unchanged),
 read by thread 0 of the first row's first CTA and summed over CUDA-graph replays.
 
-    python benchmarks/cuda_topk_trace.py [--cases 1:1x4096,1:1x4096@512,1:128x8192]
+    python benchmarks/cuda_topk_trace.py [--cases 1:1x4096,1:1x4096@1024,1:128x8192]
 
 Cases as in benchmarks/cuda_topk_phases.py (``C:BxL[/W][@T]``). Unlike that tool's cuts, the
 kernel runs whole, so nothing the compiler drops changes what is timed; a stamp is thread 0's
@@ -18,17 +18,27 @@ import os
 import sys
 import types
 
+import numpy
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from cuda_topk_phases import K, _compile, indexer_logits, keep_kernels, time_cut, write_rows  # noqa: E402
+from cuda_topk_phases import (  # noqa: E402
+    K,
+    _compile,
+    indexer_logits,
+    keep_kernels,
+    parse_cases,
+    time_cut,
+    write_rows,
+)
 
 from vllm_sparse_sync.kernels import cuda_topk  # noqa: E402
 
 SLOTS = 16
-COUNT, GT_START, GT_END = 15, 14, 13  # launches; global-timer sums at the entry and at "scanned"
+COUNT, GT_START, GT_END = 15, 14, 13  # launches; global-timer sums at the entry and at GT_AT
+GT_AT = 8  # the stamp whose cycles since the entry calibrate the clock
 # (slot, label, anchor, insert before (True) or after the anchor's line)
 POINTS = [
     (0, "entry", "    const int row = blockIdx.y;\n", True),
@@ -39,28 +49,27 @@ POINTS = [
     (5, "pass A found", "    u32 need = sc.res[1];", True),
     (6, "refined", "    // listed: the bin's keys", True),
     (7, "selection closed", "    // collect: per group", True),
-    (8, "scanned", "    const bool any = sel != 0u;", True),
+    (GT_AT, "scanned", "    const bool any = sel != 0u;", True),
 ]
-PRELUDE = r"""
-__device__ unsigned long long vss_trace[16];
-__device__ __forceinline__ void vss_stamp(int i) {
-    if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) {
+PRELUDE = f"""
+__device__ unsigned long long vss_trace[{SLOTS}];
+__device__ __forceinline__ unsigned long long vss_globaltimer() {{
+    unsigned long long g;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(g) :: "memory");
+    return g;
+}}
+__device__ __forceinline__ void vss_stamp(int i) {{
+    if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) {{
         unsigned long long t;
         asm volatile("mov.u64 %0, %%clock64;" : "=l"(t) :: "memory");
         atomicAdd(&vss_trace[i], t);  // a reduction: no wait on a load
-        if (i == 0) {
-            unsigned long long g;
-            asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(g) :: "memory");
-            atomicAdd(&vss_trace[14], g);
-            atomicAdd(&vss_trace[15], 1ull);
-        }
-        if (i == 8) {
-            unsigned long long g;
-            asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(g) :: "memory");
-            atomicAdd(&vss_trace[13], g);
-        }
-    }
-}
+        if (i == 0) {{
+            atomicAdd(&vss_trace[{GT_START}], vss_globaltimer());
+            atomicAdd(&vss_trace[{COUNT}], 1ull);
+        }}
+        if (i == {GT_AT}) atomicAdd(&vss_trace[{GT_END}], vss_globaltimer());
+    }}
+}}
 """
 
 
@@ -77,20 +86,20 @@ def traced_source(base: str | None, keep) -> str:
 
 
 def read_trace(driver, module, zero: bool = False) -> list[int]:
+    """The trace's sums (after the stream's work), or zeroes them (``zero``)."""
     dptr, size = cuda_topk._check(driver.cuModuleGetGlobal(module, b"vss_trace"), "cuModuleGetGlobal")
-    buf = torch.zeros(SLOTS, dtype=torch.int64, device="cuda")
+    host = numpy.zeros(SLOTS, dtype=numpy.uint64)
     torch.cuda.synchronize()
     if zero:
-        cuda_topk._check(driver.cuMemcpyHtoD(dptr, buf.cpu().numpy(), size), "cuMemcpyHtoD")
-        return [0] * SLOTS
-    host = buf.cpu().numpy()
-    cuda_topk._check(driver.cuMemcpyDtoH(host, dptr, size), "cuMemcpyDtoH")
-    return [int(v) & (2**64 - 1) for v in host]
+        cuda_topk._check(driver.cuMemcpyHtoD(dptr, host, size), "cuMemcpyHtoD")
+    else:
+        cuda_topk._check(driver.cuMemcpyDtoH(host, dptr, size), "cuMemcpyDtoH")
+    return [int(v) for v in host]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cases", default="1:1x4096,1:1x4096@512,1:128x8192")
+    ap.add_argument("--cases", default="1:1x4096,1:1x4096@1024,8:1x4096/131072,1:128x8192")
     ap.add_argument("--ncalls", type=int, default=16)
     ap.add_argument("--seeds", default="0,1,2,3")
     ap.add_argument("--source", action="append", default=None, metavar="PATH")
@@ -106,15 +115,7 @@ def main() -> None:
     fake = types.SimpleNamespace(driver=driver, ctx=mod.ctx)
     major, minor = torch.cuda.get_device_capability()
     arch = f"sm_{major}{minor}"
-    cases = []
-    for case in a.cases.split(","):
-        C, shape = case.split(":")
-        shape, _, wide = shape.partition("/")
-        B, L = (int(p) for p in shape.partition("@")[0].split("x"))
-        W = int(wide.partition("@")[0]) if wide else L
-        threads = int(wide.partition("@")[2] or shape.partition("@")[2] or 1024)
-        cases.append((int(C), B, L, W, cuda_topk.plan_cluster(B, W, mod.sm_count, mod.smem_optin,
-                                                              cluster=int(C), threads=threads)))
+    cases = parse_cases(a.cases, mod.sm_count, mod.smem_optin)
     keep = {(c[0], c[4].threads) for c in cases}
     modules = {}
     for src in sources:
@@ -137,7 +138,7 @@ def main() -> None:
             t = read_trace(driver, module)
             n = t[COUNT]
             ns = (t[GT_END] - t[GT_START]) / n
-            mhz = ((t[8] - t[0]) / n) / ns * 1e3 if ns > 0 else float("nan")
+            mhz = ((t[GT_AT] - t[0]) / n) / ns * 1e3 if ns > 0 else float("nan")
             res = {"C": C, "B": B, "L": L, "W": W, "threads": plan.threads, "source": src, "launches": n,
                    "replay_us": us, "sm_mhz": mhz, "phases": {}}
             prev = None

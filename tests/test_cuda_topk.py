@@ -443,6 +443,28 @@ def test_trace_stamps_anchor_in_the_library_source():
     assert len({p[0] for p in tr.POINTS}) == len(tr.POINTS) and max(p[0] for p in tr.POINTS) < tr.GT_END
     with pytest.raises(ValueError, match="anchor not in the source"):
         tr.traced_source(cuda_topk.source().replace("    // collect: per group", "    // gather"), None)
-    if NVRTC_OK:
-        cubin, _ = cuda_topk.compile_source("sm_90", text=text)
-        assert len(cubin) > 1000
+
+
+@pytest.mark.skipif(not NVRTC_OK, reason=f"NVRTC unavailable: {NVRTC_WHY}")
+def test_traced_source_compiles():
+    tr = _bench_tool("cuda_topk_trace")
+    cubin, _ = cuda_topk.compile_source("sm_90", text=tr.traced_source(None, {(1, 512)}))
+    assert len(cubin) > 1000
+
+
+def test_benchmark_cases_parse_to_the_planner_launches():
+    """``C:BxL[/W][@T]``: the width defaults to L and the threads to the planner's; a malformed
+    case or one the planner refuses raises naming it."""
+    ph = _phases_tool()
+    got = ph.parse_cases("1:1x4096,8:1x4096/131072,1:128x8192@1024,2:64x65536", 132, H200_SMEM)
+    assert [(c, b, n, w, p.cluster, p.threads) for c, b, n, w, p in got] == [
+        (1, 1, 4096, 4096, 1, 512), (8, 1, 4096, 131072, 8, 1024), (1, 128, 8192, 8192, 1, 1024),
+        (2, 64, 65536, 65536, 2, 1024)]
+    assert got[0][4] == cuda_topk.plan_cluster(1, 4096, 132, H200_SMEM, cluster=1)
+    for bad in ("1x4096", "1:1x4096@", "a:1x4096", "1:1x4096/"):
+        with pytest.raises(ValueError, match="want C:BxL"):
+            ph.parse_cases(bad, 132, H200_SMEM)
+    with pytest.raises(ValueError, match="cannot plan"):
+        ph.parse_cases("1:0x4096", 132, H200_SMEM)
+    with pytest.raises(ValueError, match="cluster threads"):
+        ph.parse_cases("1:1x4096@256", 132, H200_SMEM)

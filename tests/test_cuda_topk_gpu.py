@@ -193,10 +193,12 @@ def test_listed_bins_in_registers_rank_by_key_then_position(route, width):
 @given(n=st.integers(2100, 16384), listed=st.integers(2, 128), distinct=st.integers(1, 128),
        k=st.sampled_from([64, 2048]), data=st.data())
 def test_one_cta_listed_bins_of_every_size_write_the_emulated_row(n, listed, distinct, k, data):
-    """A row in registers whose pass-A bin of the k-th key holds 2-128 keys (ranked by each
-    thread for at most 32, by groups of threads past that), with 1..listed distinct values in it
-    and equal keys at random positions: element for element against the emulation, on the C = 1
-    kernel of 1024 and 512 threads and on a cluster's first CTA under the 128K bound."""
+    """A row in registers whose pass-A bin of the k-th key holds 2-128 keys (ranked by groups
+    of threads by key, then position), with 1..listed distinct values in it and equal keys at
+    random positions: element for element against the emulation, on the C = 1 kernel of 1024
+    and 512 threads and on a cluster's first CTA under the 128K bound."""
+    from vllm_sparse_sync.kernels.cuda_topk import launch_cuda_topk_cluster
+
     need = data.draw(st.integers(1, min(listed - 1, k)), label="need")
     seed = data.draw(st.integers(0, 2**31 - 1), label="seed")
     g = torch.Generator().manual_seed(seed)
@@ -212,8 +214,6 @@ def test_one_cta_listed_bins_of_every_size_write_the_emulated_row(n, listed, dis
     want = emu.topk_indices(x[None], lens, k)
     launches = [(1, n, 1024), (8, 131072, 1024)] + ([(1, n, 512)] if n <= 8192 else [])
     for route, width, threads in launches:
-        from vllm_sparse_sync.kernels.cuda_topk import launch_cuda_topk_cluster
-
         row = torch.full((1, width), 1e30)  # a tail past the live length that would win
         row[0, :n] = x
         xd = row.to(DEV)
