@@ -1,7 +1,7 @@
 """The CUDA wgmma scorer on a CPU host: its operand layouts emulated in torch (the query's image in
 shared memory, each thread's key bytes, the wgmma fragments, as ``cuda_scorer.cu`` indexes them)
 give q . k for every (token, head); the planner's scorer choice; the calls ``takes`` accepts; and
-an NVRTC compile for sm_90a that fits four CTAs per SM without spills (skipped, with the reason,
+an NVRTC compile for sm_90a that fits its CTA per SM without spills (skipped, with the reason,
 where NVRTC is absent)."""
 
 from __future__ import annotations
@@ -102,6 +102,17 @@ def test_the_planner_takes_the_cuda_scorer_where_the_device_can():
     assert plan_route(7, 4096, 64, hopper).score_splits == 132 * DEFAULT_CONFIG.scorer.ctas_per_sm // 7
     every = DEFAULT_CONFIG.with_values(**{"scorer.cuda_min_rows": 0})
     assert plan_route(1, 4096, 64, hopper, every).scorer == CUDA
+    # fewer rows take it from a bound of scorer.cuda_min_width up (0: never by width)
+    wide = DEFAULT_CONFIG.scorer.cuda_min_width
+    assert plan_route(1, wide, 64, hopper).scorer == CUDA
+    assert plan_route(7, 131072, 64, hopper).scorer == CUDA
+    assert plan_route(1, 131072, 64, hopper).score_splits == 132 * DEFAULT_CONFIG.scorer.cuda_ctas_per_sm
+    assert plan_route(1, wide - 1, 64, hopper).scorer == TRITON
+    by_rows = DEFAULT_CONFIG.with_values(**{"scorer.cuda_min_width": 0})
+    assert plan_route(1, 131072, 64, hopper, by_rows).scorer == TRITON
+    assert plan_route(8, 4096, 64, hopper, by_rows).scorer == CUDA
+    with pytest.raises(ValueError, match="cuda_min_width"):
+        DEFAULT_CONFIG.with_values(**{"scorer.cuda_min_width": -1})
     assert plan_route(64, 65536, 32, hopper).scorer == TRITON  # pages of another size
     assert plan_route(64, 65536, 64, DeviceInfo(num_sms=132)).scorer == TRITON
     off = DEFAULT_CONFIG.with_values(**{"scorer.cuda": False})
@@ -125,14 +136,23 @@ def test_takes_only_the_calls_the_kernel_is_built_for():
 
 
 def test_the_ctas_of_the_grid_fit_one_sm():
-    """228 KB of shared memory per SM (1 KB reserved per CTA) holds the grid's CTAs per SM of
-    either path, and the grid asks for what the kernel's register bound allows."""
+    """An SM's 227 KB of opt-in shared memory (1 KB reserved per CTA) holds the grid's CTAs per
+    SM of either path, the source's ring and warpgroups are the module's, and the grid asks for
+    what the kernel's shared memory allows."""
     assert DEFAULT_CONFIG.scorer.cuda_ctas_per_sm == cuda_scorer.CTAS_PER_SM
-    assert f"#define CTAS_PER_SM {cuda_scorer.CTAS_PER_SM}" in cuda_scorer.source()
-    assert f"#define STAGES {cuda_scorer.STAGES}" in cuda_scorer.source()
+    assert f"#define CONSUMERS {cuda_scorer.CONSUMERS}" in cuda_scorer.source()
+    assert f"#define STAGES_DEEP {cuda_scorer.STAGES_DEEP} " in cuda_scorer.source()
+    assert f"#define STAGES_SHORT {cuda_scorer.STAGES_SHORT} " in cuda_scorer.source()
+    assert cuda_scorer.THREADS == 128 * cuda_scorer.CONSUMERS + 32
     for heads in cuda_scorer.HEADS:
         for precise in (True, False):
-            assert cuda_scorer.CTAS_PER_SM * (cuda_scorer.smem_bytes(heads, precise) + 1024) <= 228 * 1024
+            for stages in (cuda_scorer.STAGES_DEEP, cuda_scorer.STAGES_SHORT):
+                assert stages % cuda_scorer.CONSUMERS == 0
+                smem = cuda_scorer.smem_bytes(heads, precise, stages)
+                assert cuda_scorer.CTAS_PER_SM * (smem + 1024) <= 228 * 1024
+    # one more slot per consumer would not fit: the ring is as deep as the SM allows
+    deeper = cuda_scorer.STAGES_DEEP + cuda_scorer.CONSUMERS
+    assert cuda_scorer.smem_bytes(64, True, deeper) + 1024 > 228 * 1024
 
 
 NVRTC_OK, NVRTC_WHY = cuda_topk.compiler_status()
@@ -144,8 +164,59 @@ def test_the_source_compiles_for_sm90a_without_spills():
                                       extra_options=("--ptxas-options=-v",))
     found = re.findall(r"entry function '(\w+)'.*?(\d+) bytes spill stores.*?Used (\d+) registers", log, re.S)
     names = {f[0] for f in found}
-    assert names == {cuda_scorer.kernel_name(h, p) for h in cuda_scorer.HEADS for p in (True, False)}
+    assert names == {cuda_scorer.kernel_name(h, p, s) for h in cuda_scorer.HEADS for p in (True, False)
+                     for s in (cuda_scorer.STAGES_DEEP, cuda_scorer.STAGES_SHORT)}
     for name, spills, regs in found:
         assert int(spills) == 0, (name, spills)
-        # CTAS_PER_SM CTAs of THREADS threads per SM in 64K registers
-        assert int(regs) * cuda_scorer.THREADS * cuda_scorer.CTAS_PER_SM <= 65536, (name, regs)
+        # CTAS_PER_SM CTAs of THREADS threads per SM: each of the SM's four sub-partitions
+        # holds its share of the warps in 16K registers
+        warps = cuda_scorer.CTAS_PER_SM * cuda_scorer.THREADS // 32
+        assert int(regs) * 32 * -(-warps // 4) <= 16384, (name, regs)
+
+
+def test_the_variant_tool_launches_the_library_source_as_the_module_does():
+    """benchmarks/cuda_scorer_variants.py: a variant spec parses (a malformed one is refused by
+    name), and the library source's launch geometry read from its macros is the module's."""
+    import importlib.util
+    import pathlib
+    import sys
+
+    path = pathlib.Path(__file__).parents[1] / "benchmarks" / "cuda_scorer_variants.py"
+    spec = importlib.util.spec_from_file_location("cuda_scorer_variants", path)
+    tool = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = tool  # its dataclass looks its module up
+    spec.loader.exec_module(tool)
+    v = tool.parse_variant("c5=@12:CONSUMERS=5,STAGES_SHORT=20")
+    assert (v.name, v.path, v.defines, v.stages) == ("c5", "", {"CONSUMERS": 5, "STAGES_SHORT": 20}, 12)
+    for bad in ("noequals", "x=:CONSUMERS", "x=:lower=3", "x=:STAGES=two", "x=@deep"):
+        with pytest.raises(ValueError, match="variant"):
+            tool.parse_variant(bad)
+    text = cuda_scorer.source()
+    for heads in cuda_scorer.HEADS:
+        for stages in (cuda_scorer.STAGES_DEEP, cuda_scorer.STAGES_SHORT):
+            got = tool.geometry(text, tool.parse_variant(f"x=@{stages}"), heads)
+            assert got == (cuda_scorer.kernel_name(heads, True, stages), cuda_scorer.THREADS,
+                           cuda_scorer.smem_bytes(heads, True, stages), 1)
+    assert tool.geometry(text, tool.parse_variant("x="), 64)[0] == cuda_scorer.kernel_name(64, True)
+    name, threads, smem, _ = tool.geometry(text, tool.parse_variant("x=:CONSUMERS=3,STAGES_DEEP=9"), 64)
+    assert (name, threads, smem) == ("score_h64_p1_s9", 3 * 128 + 32, cuda_scorer.smem_bytes(64, True, 9))
+
+
+def test_the_deep_ring_runs_only_where_asked(monkeypatch):
+    """``stages_for``: by default the short ring whatever the bound (a ring chosen by the host
+    bound would make a wide bound cost more); with DEEP_MIN_TILES set, the deep ring from that
+    many tiles a program by the host bound, the short one below (a bound of 0 included)."""
+    deep, short, m = cuda_scorer.STAGES_DEEP, cuda_scorer.STAGES_SHORT, 512
+    assert cuda_scorer.DEEP_MIN_TILES is None
+    rings = {cuda_scorer.stages_for(w, s) for w in (0, 4096, 131072, 2**31 - 1) for s in (1, 2, 132)}
+    assert rings == {short}
+    monkeypatch.setattr(cuda_scorer, "DEEP_MIN_TILES", m)
+    assert cuda_scorer.stages_for(64 * m, 1) == deep
+    assert cuda_scorer.stages_for(64 * m - 63, 1) == deep  # a partial tile counts
+    assert cuda_scorer.stages_for(64 * (m - 1), 1) == short
+    assert cuda_scorer.stages_for(2 * 64 * m, 2) == deep
+    assert cuda_scorer.stages_for(2 * 64 * m, 3) == short
+    assert cuda_scorer.stages_for(0, 1) == short
+    assert cuda_scorer.kernel_name(64, True, short) != cuda_scorer.kernel_name(64, True, deep)
+    with pytest.raises(ValueError, match="stages"):
+        cuda_scorer.kernel_name(64, True, 7)

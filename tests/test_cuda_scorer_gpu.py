@@ -1,10 +1,13 @@
 """The CUDA wgmma scorer (``kernels.cuda_scorer``) on a compute-capability-9.0 device, against the
 torch reference: random lengths, tables with holes and out-of-range pages, both heads counts,
 both length and table dtypes, the active-width clamp, the dense tail fill, NaN weights, the
-exact and the e4m3 path; a captured graph replayed with new lengths. Skips elsewhere, with the
+exact and the e4m3 path, both rings (deep and short) and a few split counts; a captured graph
+replayed with new lengths. Skips elsewhere, with the
 reason."""
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
@@ -30,7 +33,21 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(WHY is not None, reason=f"CUDA
 DEV = "cuda"
 
 
-def _score(case, width, *, precise, active=None, fill=True, splits=None, lens=None, table=None):
+@contextlib.contextmanager
+def _ring(deep):
+    """The launcher's ring: deep (True), short (False) whatever the tiles, or its own choice (None)."""
+    from vllm_sparse_sync.kernels import cuda_scorer
+
+    saved = cuda_scorer.DEEP_MIN_TILES
+    if deep is not None:
+        cuda_scorer.DEEP_MIN_TILES = 0 if deep else 2**40
+    try:
+        yield
+    finally:
+        cuda_scorer.DEEP_MIN_TILES = saved
+
+
+def _score(case, width, *, precise, active=None, fill=True, splits=None, lens=None, table=None, deep=None):
     from vllm_sparse_sync.kernels import cuda_scorer
     from vllm_sparse_sync.kernels.route import score_splits
 
@@ -42,9 +59,10 @@ def _score(case, width, *, precise, active=None, fill=True, splits=None, lens=No
     splits = splits or score_splits(rows, torch.cuda.get_device_properties(0).multi_processor_count)
     assert cuda_scorer.takes(case.q_fp8, case.k_cache, table, 64, splits)
     cfg = ScorerConfig(precise=precise)
-    cuda_scorer.launch_cuda_score(case.q_fp8, case.weights, case.k_cache, table, lens, active, out,
-                                  page_size=64, sel_width=sel, fill_width=width if fill else 0,
-                                  splits=splits, config=cfg)
+    with _ring(deep):
+        cuda_scorer.launch_cuda_score(case.q_fp8, case.weights, case.k_cache, table, lens, active, out,
+                                      page_size=64, sel_width=sel, fill_width=width if fill else 0,
+                                      splits=splits, config=cfg)
     return out
 
 
@@ -75,9 +93,12 @@ def _check(got, want, precise, n_written):
     table64=st.booleans(),
     fill=st.booleans(),
     bad_pages=st.integers(0, 3),
+    deep=st.booleans(),
+    splits=st.sampled_from([None, 1, 2, 5]),
     seed=st.integers(0, 2**16),
 )
-def test_scores_match_the_reference(lens, heads, precise, wide, active, lens64, table64, fill, bad_pages, seed):
+def test_scores_match_the_reference(lens, heads, precise, wide, active, lens64, table64, fill, bad_pages,
+                                    deep, splits, seed):
     case = make_case(lens, heads=heads, table_pages=150, device=DEV, seed=seed)
     g = torch.Generator().manual_seed(seed)
     for _ in range(bad_pages):  # holes and pages past the cache inside live rows
@@ -88,7 +109,8 @@ def test_scores_match_the_reference(lens, heads, precise, wide, active, lens64, 
                                                   device=DEV)
     lens_t = case.row_lens.to(torch.int64) if lens64 else case.row_lens
     table = case.block_table.to(torch.int64) if table64 else case.block_table
-    got = _score(case, width, precise=precise, active=act, fill=fill, lens=lens_t, table=table)
+    got = _score(case, width, precise=precise, active=act, fill=fill, lens=lens_t, table=table, splits=splits,
+                 deep=deep)
     want = ref.paged_indexer_logits(*case.args, width, active_width=act)
     n = ref.effective_lengths(case.row_lens, min(width, 150 * 64), act)
     _check(got, want, precise, [width if fill else int(x) for x in n])
@@ -104,10 +126,11 @@ def test_nan_weights_and_one_page_rows():
         _check(got, want, precise, [4096] * 4)
 
 
+@pytest.mark.parametrize("deep", [True, False])
 @pytest.mark.parametrize("splits", [1, 3, 600])
-def test_any_split_count_scores_every_tile(splits):
+def test_any_split_count_scores_every_tile(splits, deep):
     case = make_case([20000, 7, 0, 12345], heads=64, device=DEV, seed=5)
-    got = _score(case, 20480, precise=True, splits=splits)
+    got = _score(case, 20480, precise=True, splits=splits, deep=deep)
     _check(got, ref.paged_indexer_logits(*case.args, 20480), True, [20480] * 4)
 
 

@@ -49,10 +49,15 @@ class ScorerConfig:
     9.0 where it can take the call (64-token pages, head dim 128, 32 or 64 heads); False: always
     Triton (the e4m3 path always is). ``tile``, ``warps`` and ``stages`` are the Triton kernel's."""
     cuda_min_rows: int = 8
-    """Calls of fewer rows take Triton's exact scorer (as fast or faster there: benchmarks/NOTES.md,
-    run 65)."""
-    cuda_ctas_per_sm: int = 5
-    """The CUDA scorer's programs per SM, split over the call's rows (its kernel holds five)."""
+    """Calls of fewer rows take Triton's exact scorer unless their width bound reaches
+    ``cuda_min_width`` (benchmarks/NOTES.md, session 14: one 4K row is faster on Triton, one row
+    of 64K or 128K on the CUDA kernel)."""
+    cuda_min_width: int = 32768
+    """The width bound from which calls of any row count take the CUDA exact scorer (0: never by
+    width)."""
+    cuda_ctas_per_sm: int = 1
+    """The CUDA scorer's programs per SM, split over the call's rows (one CTA of its kernel fills
+    an SM's shared memory)."""
     launch_dependents: bool = True
     """Each program lets the next kernel launch as it starts (``griddepcontrol.launch_dependents``,
     where Triton has it): the step's CUDA top-k, a programmatic dependent launch, is then resident
@@ -68,6 +73,9 @@ class ScorerConfig:
         _positive("scorer.cuda_ctas_per_sm", self.cuda_ctas_per_sm)
         if not _is_int(self.cuda_min_rows) or self.cuda_min_rows < 0:
             raise ValueError(f"scorer.cuda_min_rows: an int >= 0, got {self.cuda_min_rows!r}")
+        if not _is_int(self.cuda_min_width) or self.cuda_min_width < 0:
+            raise ValueError(f"scorer.cuda_min_width: an int >= 0 (0: never by width), "
+                             f"got {self.cuda_min_width!r}")
         _flag("scorer.precise", self.precise)
 
 

@@ -7,12 +7,18 @@
 // position t < n is -inf where t >= live_width or its page id lies outside [0, num_pages);
 // positions at or past n are not written (with fill_width > n: -inf up to fill_width).
 //
-// One CTA: one warpgroup (4 warps, 64 tokens per tile), several CTAs per SM.
-//   pages     thread 0 copies each tile's 8 KB of keys and 256 B of scales into a ring of
-//             STAGES shared-memory slots with the bulk copy engine (cp.async.bulk, mbarrier
-//             completion), STAGES tiles ahead; warp 0 fetches the page ids 32 tiles ahead. A slot
-//             is refilled once every thread has read it (the CTA barrier after the reads).
-//   scoring   the row's query, converted once into the wgmma B operand in shared memory; per
+// One CTA an SM: CONSUMERS warpgroups (64 tokens per tile each) and one producer warp.
+//   pages     ISSUE_LANES lanes of the producer warp copy one tile each at a time (8448 bytes:
+//             8 KB of keys, then 256 B of scales) into a ring of shared-memory slots
+//             (STAGES_SHORT; STAGES_DEEP where the launcher asks) with the bulk copy
+//             engine (cp.async.bulk, completion on the slot's full mbarrier), as far ahead as
+//             the ring allows; a slot is refilled once the four warps that read it have arrived
+//             on its empty mbarrier. The producer fetches the page ids 32 tiles ahead. Past the
+//             first barrier no warp waits for the CTA.
+//   tiles     tile it of the program is consumer warpgroup it % CONSUMERS's; each warpgroup
+//             cycles through its own slots of the ring (slot_of).
+//   scoring   the row's query, converted once into the wgmma B operand in shared memory (one
+//             image for every warpgroup; the head weights beside it); per
 //             tile each thread loads 32 key bytes of each of its two token rows (two 16-byte
 //             shared loads a row), which are the wgmma A operand in registers (PRECISE: each
 //             e4m3 pair converted to f16x2, exact); H/8 x (8 k16 steps f16 | 4 k32 steps e4m3)
@@ -31,18 +37,36 @@ typedef unsigned int u32;
 typedef unsigned long long u64;
 typedef long long i64;
 
-#ifndef STAGES
-#define STAGES 3
+#ifndef STAGES_DEEP
+#define STAGES_DEEP 24   // a deeper ring (the launcher's DEEP_MIN_TILES)
 #endif
-#ifndef CTAS_PER_SM
-#define CTAS_PER_SM 5
+#ifndef STAGES_SHORT
+#define STAGES_SHORT 12  // the ring every call runs with by default
+#endif
+#ifndef CONSUMERS
+#define CONSUMERS 4
 #endif
 #define PAGE 64
 #define HEAD_DIM 128
 #define KEY_BYTES (PAGE * HEAD_DIM)           // a page's keys: 8192 bytes
 #define SCALE_BYTES (PAGE * 4)                // then its 64 fp32 scales
 #define SLOT_BYTES (KEY_BYTES + SCALE_BYTES)  // 8448, a multiple of 16
-#define THREADS 128
+#ifndef PROXY_FENCE
+#define PROXY_FENCE 0  // 1: a generic-to-async proxy fence before each refill (the empty mbarrier's
+#endif                 // release and acquire already order the consumers' reads before the copy)
+#ifndef ISSUE_LANES
+#define ISSUE_LANES CONSUMERS  // producer lanes issuing copies at once: one tile of each consumer
+#endif
+#define THREADS (CONSUMERS * 128 + 32)  // the consumer warpgroups, then the producer warp
+#define PRODUCER_WARP (CONSUMERS * 4)
+
+// Tile it of a program is consumer warpgroup (it % CONSUMERS)'s; each consumer cycles through
+// its own S / CONSUMERS slots of a ring of S, so a slot's uses are one warpgroup's tiles in its
+// order and its full barrier is never two phases behind the tile a consumer waits for.
+template <int S>
+__device__ __forceinline__ int slot_of(int it) {
+    return it % CONSUMERS + CONSUMERS * ((it / CONSUMERS) % (S / CONSUMERS));
+}
 
 __device__ __forceinline__ u32 smem_addr(const void* p) {
     return static_cast<u32>(__cvta_generic_to_shared(p));
@@ -141,7 +165,7 @@ __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.a
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
 
-template <int H, bool PRECISE>
+template <int H, bool PRECISE, int STAGES>
 __device__ __forceinline__ void score_row(
     const unsigned char* __restrict__ q, const float* __restrict__ w, const unsigned char* __restrict__ kc,
     const void* bt, int bt64, i64 bt_stride, const void* lens, int lens64, const void* active, int active64,
@@ -151,11 +175,19 @@ __device__ __forceinline__ void score_row(
     constexpr int STEPS = PRECISE ? 8 : 4;                    // k-steps of a tile
     constexpr int STEP_BYTES = QBYTES / STEPS;                // H * 32
     constexpr int NACC = H / 2;                               // accumulators per thread
+    constexpr int QGROUPS = H * (HEAD_DIM / 4);               // 4-byte query groups
+    constexpr int QWORDS = (QGROUPS + THREADS - 1) / THREADS; // per thread
     extern __shared__ __align__(1024) unsigned char smem[];
-    unsigned char* qimg = smem;                                 // QBYTES
-    unsigned char* slots = smem + QBYTES;                       // STAGES * SLOT_BYTES
-    u64* bars = reinterpret_cast<u64*>(slots + STAGES * SLOT_BYTES);  // full[STAGES]
-    int* slot_ok = reinterpret_cast<int*>(bars + STAGES);
+    unsigned char* qimg = smem;                                       // QBYTES
+    unsigned char* slots = smem + QBYTES;                             // STAGES * SLOT_BYTES
+    u64* full = reinterpret_cast<u64*>(slots + STAGES * SLOT_BYTES);  // [STAGES]: a page landed
+    u64* empty = full + STAGES;                                       // [STAGES]: its warpgroup read it
+    float* w_img = reinterpret_cast<float*>(empty + STAGES);          // the row's head weights [H]
+    int* slot_ok = reinterpret_cast<int*>(w_img + H);                 // [STAGES]
+    static_assert((QBYTES + STAGES * SLOT_BYTES) % 16 == 0, "the barriers and the weights' float2 reads");
+    static_assert(STAGES % CONSUMERS == 0, "each consumer owns STAGES / CONSUMERS slots");
+    constexpr int SLOTS_PER_CONSUMER = STAGES / CONSUMERS;
+    static_assert(32 % ISSUE_LANES == 0 && ISSUE_LANES <= STAGES, "a group of issued tiles shares one page-id load");
 
     if (launch_dependents) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
     const int row = blockIdx.x;
@@ -164,30 +196,27 @@ __device__ __forceinline__ void score_row(
     const int tid = threadIdx.x;
     const int lane = tid & 31;
     const int warp = tid >> 5;
+    const bool producer = warp == PRODUCER_WARP;
 
-    // every global read that does not depend on the row's length is issued beside it: warp 0's
-    // first 32 page ids (lane l: the l-th tile of this program, within the table and the host
-    // width), every thread's query words and head weights
+    // every global read that does not depend on the row's length is issued beside it: the
+    // producer's first 32 page ids (lane l: the l-th tile of this program, within the table and
+    // the host width), every thread's query words, every consumer's head weights
     const unsigned char* bt_row = (const unsigned char*)bt + (i64)row * bt_stride * (bt64 ? 8 : 4);
     const int width_tiles = ((sel_width < live_width ? sel_width : live_width) + PAGE - 1) / PAGE;
     int pages_now = -1, pages_next = -1;
-    if (warp == 0) {
+    if (producer) {
         const int t = split + lane * splits;
         if (t < width_tiles) pages_now = (int)load_int(bt_row, bt64, t);
     }
     const unsigned char* q_row = q + (i64)row * (H * HEAD_DIM);
-    constexpr int QWORDS = H * (HEAD_DIM / 4) / THREADS;  // 4-byte query groups per thread
     u32 qw[QWORDS];
 #pragma unroll
-    for (int i = 0; i < QWORDS; ++i) qw[i] = *reinterpret_cast<const u32*>(q_row + 4 * (tid + i * THREADS));
-    const int g = lane >> 2, c = lane & 3;
-    float wv[NACC / 2];
-#pragma unroll
-    for (int i = 0; i < H / 8; ++i) {  // heads 8i + 2c, 8i + 2c + 1 (the thread's accumulator columns)
-        const float2 p = *reinterpret_cast<const float2*>(w + (i64)row * H + 8 * i + 2 * c);
-        wv[2 * i] = p.x;
-        wv[2 * i + 1] = p.y;
+    for (int i = 0; i < QWORDS; ++i) {
+        const int gi = tid + i * THREADS;
+        qw[i] = gi < QGROUPS ? *reinterpret_cast<const u32*>(q_row + 4 * gi) : 0u;
     }
+    const int g = lane >> 2, c = lane & 3;
+    const float w_mine = tid < H ? w[(i64)row * H + tid] : 0.0f;
     i64 n64 = load_int(lens, lens64, row);
     n64 = n64 < 0 ? 0 : (n64 > sel_width ? sel_width : n64);
     if (active != nullptr) {
@@ -204,47 +233,17 @@ __device__ __forceinline__ void score_row(
     if (my_tiles == 0 && !fills) return;  // CTA-uniform: no barrier was reached
 
     if (tid == 0) {
-        for (int s = 0; s < STAGES; ++s) mbar_init(smem_addr(&bars[s]), 1);
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(smem_addr(&full[s]), 1);
+            mbar_init(smem_addr(&empty[s]), 4);  // one arrival per warp of the consuming warpgroup
+        }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
-    __syncthreads();
-    // warp 0 issues tile `it` into slot it % STAGES (all its lanes: the page id comes by shuffle)
-    auto issue = [&](int it) {
-        if (it > 0 && it % 32 == 0) {  // the next 32 page ids, and a load of the 32 after them
-            pages_now = pages_next;
-            const int t = split + (it + 32 + lane) * splits;
-            pages_next = (it + 32 < my_tiles && t < width_tiles) ? (int)load_int(bt_row, bt64, t) : -1;
-        }
-        const int page = __shfl_sync(0xffffffffu, pages_now, it % 32);
-        if (lane == 0) {
-            const int s = it % STAGES;
-            const int t = split + it * splits;
-            const bool ok = t * PAGE < n_live && page >= 0 && page < num_pages;
-            slot_ok[s] = ok ? 1 : 0;
-            const u32 full = smem_addr(&bars[s]);
-            if (ok) {
-                asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the slot's reads -> the copy
-                const unsigned char* src = kc + (i64)page * page_stride;
-                const u32 dst = smem_addr(slots + s * SLOT_BYTES);
-                mbar_expect_tx(full, SLOT_BYTES);
-                bulk_copy(dst, src, KEY_BYTES, full);
-                bulk_copy(dst + KEY_BYTES, src + KEY_BYTES, SCALE_BYTES, full);
-            } else {
-                mbar_arrive(full);
-            }
-        }
-        __syncwarp();
-    };
-    if (warp == 0) {
-        const int t = split + (32 + lane) * splits;
-        if (32 < my_tiles && t < width_tiles) pages_next = (int)load_int(bt_row, bt64, t);
-        for (int it = 0; it < STAGES && it < my_tiles; ++it) issue(it);
-    }
-
     // the query as the B operand image
 #pragma unroll
     for (int i = 0; i < QWORDS; ++i) {  // 4-byte group gi: head gi / 32, physical dims p .. p + 3
         const int gi = tid + i * THREADS;
+        if (gi >= QGROUPS) break;
         const int h = gi / (HEAD_DIM / 4);
         const int p = (gi % (HEAD_DIM / 4)) * 4;
         const u32 v = qw[i];
@@ -263,83 +262,124 @@ __device__ __forceinline__ void score_row(
             *reinterpret_cast<u32*>(qimg + j * STEP_BYTES + core + hi * 128 + 4 * cq) = v;
         }
     }
+    if (tid < H) w_img[tid] = w_mine;
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // generic writes -> wgmma reads
-    const int m0 = warp * 16 + g;  // the thread's token rows m0, m0 + 8 of a tile
-    __syncthreads();
-    const u32 qbase = smem_addr(qimg);
-    const int swap = g & 1;  // odd rows read their second 16 bytes first: no bank conflict with row g - 1
+    __syncthreads();  // the only CTA barrier: barriers initialized, the query image written
 
-    int t = split;
-    for (int it = 0; it < my_tiles; ++it, t += splits) {
-        const int s = it % STAGES;
-        mbar_wait(smem_addr(&bars[s]), (it / STAGES) & 1);
-        const unsigned char* slot = slots + s * SLOT_BYTES;
-        const int ok = slot_ok[s];
-        uint4 r0a = *reinterpret_cast<const uint4*>(slot + m0 * HEAD_DIM + 32 * c + 16 * swap);
-        uint4 r0b = *reinterpret_cast<const uint4*>(slot + m0 * HEAD_DIM + 32 * c + 16 * (swap ^ 1));
-        uint4 r1a = *reinterpret_cast<const uint4*>(slot + (m0 + 8) * HEAD_DIM + 32 * c + 16 * swap);
-        uint4 r1b = *reinterpret_cast<const uint4*>(slot + (m0 + 8) * HEAD_DIM + 32 * c + 16 * (swap ^ 1));
-        const float sc0 = reinterpret_cast<const float*>(slot + KEY_BYTES)[m0];
-        const float sc1 = reinterpret_cast<const float*>(slot + KEY_BYTES)[m0 + 8];
-        const uint4 lo0 = swap ? r0b : r0a, hi0 = swap ? r0a : r0b;
-        const uint4 lo1 = swap ? r1b : r1a, hi1 = swap ? r1a : r1b;
-        const u32 k0[8] = {lo0.x, lo0.y, lo0.z, lo0.w, hi0.x, hi0.y, hi0.z, hi0.w};  // row m0, bytes 32c ..
-        const u32 k1[8] = {lo1.x, lo1.y, lo1.z, lo1.w, hi1.x, hi1.y, hi1.z, hi1.w};  // row m0 + 8
-        __syncthreads();  // every thread has read slot s: warp 0 may refill it
-        if (warp == 0 && it + STAGES < my_tiles) issue(it + STAGES);
-
-        // the A operand of every k-step, written before the fence (wgmma reads registers that
-        // other instructions wrote only across a wgmma.fence)
-        u32 a[16];
-        u32 b[PRECISE ? 16 : 1];
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            if (PRECISE) {  // k16 step j: rows m0, m0 + 8 at kl 2c, 2c+1 (a0, a1), 2c+8, 2c+9 (a2, a3)
-                f16x4_of_e4m3x4(k0[j], a[2 * j], b[2 * j]);
-                f16x4_of_e4m3x4(k1[j], a[2 * j + 1], b[2 * j + 1]);
-            } else {
-                a[2 * j] = k0[j];
-                a[2 * j + 1] = k1[j];
+    if (producer) {
+        // tile `it` into slot slot_of(it) once the warpgroup that read the slot's previous tile
+        // has arrived on its empty barrier (the page id comes by shuffle from lane it % 32)
+        {
+            const int t = split + (32 + lane) * splits;
+            if (32 < my_tiles && t < width_tiles) pages_next = (int)load_int(bt_row, bt64, t);
+        }
+        for (int base = 0; base < my_tiles; base += ISSUE_LANES) {
+            if (base > 0 && base % 32 == 0) {  // the next 32 page ids, and a load of the 32 after them
+                pages_now = pages_next;
+                const int t = split + (base + 32 + lane) * splits;
+                pages_next = (base + 32 < my_tiles && t < width_tiles) ? (int)load_int(bt_row, bt64, t) : -1;
             }
-        }
-        float d[NACC];
-#pragma unroll
-        for (int i = 0; i < NACC; ++i) d[i] = 0.0f;
-        wgmma_fence();
-#pragma unroll
-        for (int j = 0; j < STEPS; ++j) {
-            const u64 desc = b_desc(qbase + j * STEP_BYTES);
-            if (PRECISE) {
-                Mma<H, true>::run(d, a[2 * j], a[2 * j + 1], b[2 * j], b[2 * j + 1], desc, j > 0);
-            } else {  // k32 step j: rows m0, m0 + 8 at kl 4c .. (words 2j), 16 + 4c .. (words 2j + 1)
-                Mma<H, false>::run(d, a[4 * j], a[4 * j + 1], a[4 * j + 2], a[4 * j + 3], desc, j > 0);
+            const int it = base + lane;  // lanes 0 .. ISSUE_LANES - 1 issue one tile each
+            const int page = __shfl_sync(0xffffffffu, pages_now, it % 32);
+            if (lane < ISSUE_LANES && it < my_tiles) {
+                const int j = it / CONSUMERS;  // the consumer's own tile count, and its slot's use
+                const int s = slot_of<STAGES>(it);
+                if (j >= SLOTS_PER_CONSUMER) mbar_wait(smem_addr(&empty[s]), ((j / SLOTS_PER_CONSUMER) - 1) & 1);
+                const int t = split + it * splits;
+                const bool ok = t * PAGE < n_live && page >= 0 && page < num_pages;
+                slot_ok[s] = ok ? 1 : 0;
+                const u32 bar = smem_addr(&full[s]);
+                if (ok) {
+#if PROXY_FENCE
+                    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the slot's reads -> the copy
+#endif
+                    mbar_expect_tx(bar, SLOT_BYTES);
+                    bulk_copy(smem_addr(slots + s * SLOT_BYTES), kc + (i64)page * page_stride, SLOT_BYTES, bar);
+                } else {
+                    mbar_arrive(bar);
+                }
             }
+            __syncwarp();
         }
-        wgmma_commit();
-        wgmma_wait();
+    } else {
+        // consumer warpgroup wg scores tiles wg, wg + CONSUMERS, ... of this program
+        const int wg = warp >> 2;
+        const int m0 = (warp & 3) * 16 + g;  // the thread's token rows m0, m0 + 8 of a tile
+        const u32 qbase = smem_addr(qimg);
+        const int swap = g & 1;  // odd rows read their second 16 bytes first: no bank conflict with row g - 1
+        for (int it = wg; it < my_tiles; it += CONSUMERS) {
+            const int t = split + it * splits;
+            const int s = slot_of<STAGES>(it);
+            mbar_wait(smem_addr(&full[s]), ((it / CONSUMERS) / SLOTS_PER_CONSUMER) & 1);
+            const unsigned char* slot = slots + s * SLOT_BYTES;
+            const int ok = slot_ok[s];
+            uint4 r0a = *reinterpret_cast<const uint4*>(slot + m0 * HEAD_DIM + 32 * c + 16 * swap);
+            uint4 r0b = *reinterpret_cast<const uint4*>(slot + m0 * HEAD_DIM + 32 * c + 16 * (swap ^ 1));
+            uint4 r1a = *reinterpret_cast<const uint4*>(slot + (m0 + 8) * HEAD_DIM + 32 * c + 16 * swap);
+            uint4 r1b = *reinterpret_cast<const uint4*>(slot + (m0 + 8) * HEAD_DIM + 32 * c + 16 * (swap ^ 1));
+            const float sc0 = reinterpret_cast<const float*>(slot + KEY_BYTES)[m0];
+            const float sc1 = reinterpret_cast<const float*>(slot + KEY_BYTES)[m0 + 8];
+            __syncwarp();
+            if (lane == 0) mbar_arrive(smem_addr(&empty[s]));  // this warp has read slot s
+            const uint4 lo0 = swap ? r0b : r0a, hi0 = swap ? r0a : r0b;
+            const uint4 lo1 = swap ? r1b : r1a, hi1 = swap ? r1a : r1b;
+            const u32 k0[8] = {lo0.x, lo0.y, lo0.z, lo0.w, hi0.x, hi0.y, hi0.z, hi0.w};  // row m0, bytes 32c ..
+            const u32 k1[8] = {lo1.x, lo1.y, lo1.z, lo1.w, hi1.x, hi1.y, hi1.z, hi1.w};  // row m0 + 8
 
-        // d[4i + 0/1]: row m0, heads 8i + 2c, 8i + 2c + 1; d[4i + 2/3]: row m0 + 8
-        float s0 = 0.0f, s1 = 0.0f, t0 = 0.0f, t1 = 0.0f;  // two chains a row
+            // the A operand of every k-step, written before the fence (wgmma reads registers that
+            // other instructions wrote only across a wgmma.fence)
+            u32 a[16];
+            u32 b[PRECISE ? 16 : 1];
 #pragma unroll
-        for (int i = 0; i < H / 8; ++i) {
-            s0 = fmaf(fmaxf(d[4 * i], 0.0f), wv[2 * i], s0);
-            t0 = fmaf(fmaxf(d[4 * i + 1], 0.0f), wv[2 * i + 1], t0);
-            s1 = fmaf(fmaxf(d[4 * i + 2], 0.0f), wv[2 * i], s1);
-            t1 = fmaf(fmaxf(d[4 * i + 3], 0.0f), wv[2 * i + 1], t1);
-        }
-        s0 += t0;
-        s1 += t1;
-        s0 += __shfl_xor_sync(0xffffffffu, s0, 1);
-        s1 += __shfl_xor_sync(0xffffffffu, s1, 1);
-        s0 += __shfl_xor_sync(0xffffffffu, s0, 2);
-        s1 += __shfl_xor_sync(0xffffffffu, s1, 2);
-        if (c < 2) {  // lane c = 0 writes row m0, c = 1 row m0 + 8
-            const int m = c == 0 ? m0 : m0 + 8;
-            const int pos = t * PAGE + m;
-            float v = (c == 0 ? s0 : s1) * (c == 0 ? sc0 : sc1);
-            if (v != v) v = __uint_as_float(__float_as_uint(v) | 0x80000000u);
-            if (!ok || pos >= n_live) v = __uint_as_float(0xff800000u);  // -inf
-            if (pos < n) out_row[pos] = v;
+            for (int j = 0; j < 8; ++j) {
+                if (PRECISE) {  // k16 step j: rows m0, m0 + 8 at kl 2c, 2c+1 (a0, a1), 2c+8, 2c+9 (a2, a3)
+                    f16x4_of_e4m3x4(k0[j], a[2 * j], b[2 * j]);
+                    f16x4_of_e4m3x4(k1[j], a[2 * j + 1], b[2 * j + 1]);
+                } else {
+                    a[2 * j] = k0[j];
+                    a[2 * j + 1] = k1[j];
+                }
+            }
+            float d[NACC];
+#pragma unroll
+            for (int i = 0; i < NACC; ++i) d[i] = 0.0f;
+            wgmma_fence();
+#pragma unroll
+            for (int j = 0; j < STEPS; ++j) {
+                const u64 desc = b_desc(qbase + j * STEP_BYTES);
+                if (PRECISE) {
+                    Mma<H, true>::run(d, a[2 * j], a[2 * j + 1], b[2 * j], b[2 * j + 1], desc, j > 0);
+                } else {  // k32 step j: rows m0, m0 + 8 at kl 4c .. (words 2j), 16 + 4c .. (words 2j + 1)
+                    Mma<H, false>::run(d, a[4 * j], a[4 * j + 1], a[4 * j + 2], a[4 * j + 3], desc, j > 0);
+                }
+            }
+            wgmma_commit();
+            wgmma_wait();
+
+            // d[4i + 0/1]: row m0, heads 8i + 2c, 8i + 2c + 1; d[4i + 2/3]: row m0 + 8
+            float s0 = 0.0f, s1 = 0.0f, t0 = 0.0f, t1 = 0.0f;  // two chains a row
+#pragma unroll
+            for (int i = 0; i < H / 8; ++i) {  // heads 8i + 2c, 8i + 2c + 1 (the thread's columns)
+                const float2 wv = *reinterpret_cast<const float2*>(w_img + 8 * i + 2 * c);
+                s0 = fmaf(fmaxf(d[4 * i], 0.0f), wv.x, s0);
+                t0 = fmaf(fmaxf(d[4 * i + 1], 0.0f), wv.y, t0);
+                s1 = fmaf(fmaxf(d[4 * i + 2], 0.0f), wv.x, s1);
+                t1 = fmaf(fmaxf(d[4 * i + 3], 0.0f), wv.y, t1);
+            }
+            s0 += t0;
+            s1 += t1;
+            s0 += __shfl_xor_sync(0xffffffffu, s0, 1);
+            s1 += __shfl_xor_sync(0xffffffffu, s1, 1);
+            s0 += __shfl_xor_sync(0xffffffffu, s0, 2);
+            s1 += __shfl_xor_sync(0xffffffffu, s1, 2);
+            if (c < 2) {  // lane c = 0 writes row m0, c = 1 row m0 + 8
+                const int m = c == 0 ? m0 : m0 + 8;
+                const int pos = t * PAGE + m;
+                float v = (c == 0 ? s0 : s1) * (c == 0 ? sc0 : sc1);
+                if (v != v) v = __uint_as_float(__float_as_uint(v) | 0x80000000u);
+                if (!ok || pos >= n_live) v = __uint_as_float(0xff800000u);  // -inf
+                if (pos < n) out_row[pos] = v;
+            }
         }
     }
     if (fill_width > n) {  // the dense API: -inf from n to fill_width
@@ -352,19 +392,19 @@ __device__ __forceinline__ void score_row(
     }
 }
 
-#define SCORE_KERNEL(H, P)                                                                              \
-    extern "C" __global__ void __launch_bounds__(THREADS, CTAS_PER_SM) score_h##H##_p##P(                           \
+#define SCORE_KERNEL(H, P, S)                                                                           \
+    extern "C" __global__ void __launch_bounds__(THREADS, 1) score_h##H##_p##P##_s##S(                  \
         const unsigned char* __restrict__ q, const float* __restrict__ w,                               \
         const unsigned char* __restrict__ kc, const void* bt, int bt64, i64 bt_stride, const void* lens, \
         int lens64, const void* active, int active64, float* __restrict__ out, i64 out_stride,          \
         int num_pages, i64 page_stride, int sel_width, int live_width, int fill_width,                 \
         int launch_dependents) {                                                                        \
-        score_row<H, (P) != 0>(q, w, kc, bt, bt64, bt_stride, lens, lens64, active, active64, out,     \
-                               out_stride, num_pages, page_stride, sel_width, live_width, fill_width,  \
-                               launch_dependents);                                                     \
+        score_row<H, (P) != 0, S>(q, w, kc, bt, bt64, bt_stride, lens, lens64, active, active64, out,  \
+                                  out_stride, num_pages, page_stride, sel_width, live_width, fill_width, \
+                                  launch_dependents);                                                   \
     }
-
-SCORE_KERNEL(64, 1)
-SCORE_KERNEL(64, 0)
-SCORE_KERNEL(32, 1)
-SCORE_KERNEL(32, 0)
+#define SCORE_KERNELS(S) SCORE_KERNEL(64, 1, S) SCORE_KERNEL(64, 0, S) SCORE_KERNEL(32, 1, S) SCORE_KERNEL(32, 0, S)
+// the instantiations' names need the stage counts as literals
+#define SCORE_KERNELS_OF(S) SCORE_KERNELS(S)
+SCORE_KERNELS_OF(STAGES_DEEP)
+SCORE_KERNELS_OF(STAGES_SHORT)

@@ -26,13 +26,22 @@ CAPABILITY = (9, 0)
 PAGE = 64
 HEAD_DIM = 128
 HEADS = (32, 64)
-STAGES = 3
-"""pages in flight per CTA (the source's ``STAGES``)"""
-THREADS = 128
-"""one warpgroup"""
-CTAS_PER_SM = 5
-"""CTAs one SM holds (the source's ``CTAS_PER_SM``: its register bound); ``scorer.cuda_ctas_per_sm``
-sizes the grid"""
+STAGES_SHORT = 12
+"""pages in flight per CTA (the source's ``STAGES_SHORT``): the ring of shared-memory slots every
+call runs with by default"""
+STAGES_DEEP = 24
+"""the deeper ring (the source's ``STAGES_DEEP``), launched for programs of at least
+``DEEP_MIN_TILES`` tiles by the host bound"""
+DEEP_MIN_TILES: int | None = None
+"""None: never the deep ring. It measured faster only where a program has ~512 live tiles
+(64 rows of 64K) and slower with few (8x64K, 32x16K, 128x8K), so choosing it by the host bound
+would make a 128K bound cost more than the exact one (benchmarks/NOTES.md, session 14)"""
+CONSUMERS = 4
+"""consumer warpgroups per CTA (the source's ``CONSUMERS``), each scoring every CONSUMERS-th tile"""
+THREADS = CONSUMERS * 128 + 32
+"""the consumer warpgroups, then the producer warp that copies pages into the ring"""
+CTAS_PER_SM = 1
+"""CTAs one SM holds (shared memory: one ring); ``scorer.cuda_ctas_per_sm`` sizes the grid"""
 SLOT_BYTES = PAGE * (HEAD_DIM + 4)
 
 
@@ -40,17 +49,28 @@ def source() -> str:
     return SOURCE_PATH.read_text()
 
 
-def kernel_name(heads: int, precise: bool) -> str:
+def kernel_name(heads: int, precise: bool, stages: int = STAGES_DEEP) -> str:
     if heads not in HEADS:
         raise ValueError(f"cuda scorer: heads must be one of {HEADS}, got {heads!r}")
-    return f"score_h{heads}_p{int(bool(precise))}"
+    if stages not in (STAGES_DEEP, STAGES_SHORT):
+        raise ValueError(f"cuda scorer: stages must be {STAGES_DEEP} or {STAGES_SHORT}, got {stages!r}")
+    return f"score_h{heads}_p{int(bool(precise))}_s{stages}"
 
 
-def smem_bytes(heads: int, precise: bool) -> int:
+def stages_for(sel_width: int, splits: int) -> int:
+    """The ring a program of the (rows, ``splits``) grid runs with: deep where ``DEEP_MIN_TILES``
+    is set and the host bound ``sel_width`` gives the program at least that many tiles."""
+    if DEEP_MIN_TILES is None:
+        return STAGES_SHORT
+    tiles = -(-max(sel_width, 0) // PAGE)
+    return STAGES_DEEP if -(-tiles // max(splits, 1)) >= DEEP_MIN_TILES else STAGES_SHORT
+
+
+def smem_bytes(heads: int, precise: bool, stages: int = STAGES_DEEP) -> int:
     """Dynamic shared memory of one CTA: the query as the wgmma B operand, the page ring, its
-    barriers and the slots' validity flags."""
+    full and empty barriers, the slots' validity flags and the row's head weights."""
     qbytes = heads * HEAD_DIM * (2 if precise else 1)
-    return qbytes + STAGES * SLOT_BYTES + STAGES * 8 + STAGES * 4
+    return qbytes + stages * SLOT_BYTES + stages * (8 + 8 + 4) + heads * 4
 
 
 @cache
@@ -92,14 +112,14 @@ class _Module:
         self.module = _check(driver.cuModuleLoadData(cubin), "cuModuleLoadData")
         self.functions: dict[str, object] = {}
 
-    def function(self, heads: int, precise: bool):
-        name = kernel_name(heads, precise)
+    def function(self, heads: int, precise: bool, stages: int = STAGES_DEEP):
+        name = kernel_name(heads, precise, stages)
         fn = self.functions.get(name)
         if fn is None:
             _check = cuda_topk._check
             fn = _check(self.driver.cuModuleGetFunction(self.module, name.encode()), f"cuModuleGetFunction({name})")
             attr = self.driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-            _check(self.driver.cuFuncSetAttribute(fn, attr, smem_bytes(heads, precise)),
+            _check(self.driver.cuFuncSetAttribute(fn, attr, smem_bytes(heads, precise, stages)),
                    "cuFuncSetAttribute(max dynamic smem)")
             self.functions[name] = fn
         return fn
@@ -132,7 +152,8 @@ def warmup(device: torch.device | str = "cuda") -> None:
     mod = module_for(_index(torch.device(device)))
     for heads in HEADS:
         for precise in (True, False):
-            mod.function(heads, precise)
+            for stages in (STAGES_DEEP, STAGES_SHORT):
+                mod.function(heads, precise, stages)
 
 
 def launch_cuda_score(
@@ -142,13 +163,22 @@ def launch_cuda_score(
     """The scorer's launch (``config``: a ``ScorerConfig``) on a call ``takes`` accepts; arguments
     as ``triton_scorer.launch_score``."""
     rows, heads, _ = q_fp8.shape
-    index = _index(q_fp8.device)
-    mod = module_for(index)
-    fn = mod.function(heads, config.precise)
+    mod = module_for(_index(q_fp8.device))
+    stages = stages_for(sel_width, splits)
+    fn = mod.function(heads, config.precise, stages)
+    values = score_values(q_fp8, weights, k_cache, block_table, row_lens, active, out, page_size=page_size,
+                          sel_width=sel_width, fill_width=fill_width, config=config)
+    cuda_topk.launch_values(mod, fn, (rows, splits, 1), THREADS, smem_bytes(heads, config.precise, stages),
+                            values, q_fp8.device)
+
+
+def score_values(q_fp8, weights, k_cache, block_table, row_lens, active, out, *, page_size, sel_width,
+                 fill_width, config) -> tuple:
+    """The kernel's parameters (ctypes values) for a call ``takes`` accepts."""
     for name, t in (("row_lens", row_lens), ("active_width", active)):
         if t is not None and t.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"cuda scorer: {name} must be int32 or int64, got {t.dtype}")
-    values = (
+    return (
         ctypes.c_void_p(q_fp8.data_ptr()),
         ctypes.c_void_p(weights.data_ptr()),
         ctypes.c_void_p(k_cache.data_ptr()),
@@ -168,5 +198,3 @@ def launch_cuda_score(
         ctypes.c_int(fill_width),
         ctypes.c_int(int(config.launch_dependents)),
     )
-    cuda_topk.launch_values(mod, fn, (rows, splits, 1), THREADS, smem_bytes(heads, config.precise), values,
-                            q_fp8.device)

@@ -105,14 +105,16 @@ def score_splits(rows: int, num_sms: int, config: KernelConfig = DEFAULT_CONFIG,
     return max(1, num_sms * per_sm // max(rows, 1))
 
 
-def scorer_for(rows: int, page: int, device: DeviceInfo, config: KernelConfig = DEFAULT_CONFIG) -> str:
-    """The unfused scorer kernel of a call of ``rows`` rows: ``CUDA`` for the exact path
-    (``scorer.precise``) from ``scorer.cuda_min_rows`` rows up, where the device can run it,
-    ``scorer.cuda`` asks for it and pages are 64 tokens (the kernel's tile); else ``TRITON``
-    (also for the e4m3 path, where Triton's kernel measured faster: benchmarks/NOTES.md, runs
-    63-65)."""
+def scorer_for(rows: int, page: int, device: DeviceInfo, config: KernelConfig = DEFAULT_CONFIG,
+               width: int = 0) -> str:
+    """The unfused scorer kernel of a call of ``rows`` rows and width bound ``width``: ``CUDA``
+    for the exact path (``scorer.precise``) from ``scorer.cuda_min_rows`` rows or a bound of
+    ``scorer.cuda_min_width`` up, where the device can run it, ``scorer.cuda`` asks for it and
+    pages are 64 tokens (the kernel's tile); else ``TRITON`` (also for the e4m3 path, where
+    Triton's kernel measured faster: benchmarks/NOTES.md, runs 63-65)."""
     sc = config.scorer
-    ok = device.cuda_scorer and sc.cuda and sc.precise and page == 64 and rows >= sc.cuda_min_rows
+    big = rows >= sc.cuda_min_rows or (0 < sc.cuda_min_width <= width)
+    ok = device.cuda_scorer and sc.cuda and sc.precise and page == 64 and big
     return CUDA if ok else TRITON
 
 
@@ -150,7 +152,7 @@ def plan_route(rows: int, width: int, page: int, device: DeviceInfo,
         if grid is not None:
             return Route(FUSED, rows, fused_parts=grid[0], fused_tiles=grid[1])
     r = max(rows, 1)
-    scorer = scorer_for(rows, page, device, config) if score else TRITON
+    scorer = scorer_for(rows, page, device, config, width) if score else TRITON
     splits = score_splits(rows, sms, config, scorer) if score else 0
     algo = topk_algo_for(rows, config, device)
     if algo == CUDA_RADIX:

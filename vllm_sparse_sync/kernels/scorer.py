@@ -19,12 +19,12 @@ def cuda_scorer_ok(device: torch.device) -> bool:
     return status(device.index if device.index is not None else torch.cuda.current_device())[0]
 
 
-def scorer_kind(rows: int, page: int, device: torch.device, config) -> str:
-    """The kernel ``route.scorer_for`` picks for a call of ``rows`` rows on ``device``
-    (``config``: a ``KernelConfig``)."""
+def scorer_kind(rows: int, page: int, device: torch.device, config, width: int = 0) -> str:
+    """The kernel ``route.scorer_for`` picks for a call of ``rows`` rows and width bound ``width``
+    on ``device`` (``config``: a ``KernelConfig``)."""
     from .route import DeviceInfo, scorer_for
 
-    return scorer_for(rows, page, DeviceInfo(1, cuda_scorer=cuda_scorer_ok(device)), config)
+    return scorer_for(rows, page, DeviceInfo(1, cuda_scorer=cuda_scorer_ok(device)), config, width)
 
 
 def launch_score(q_fp8, weights, k_cache, block_table, row_lens, active, out, *, page_size, sel_width,

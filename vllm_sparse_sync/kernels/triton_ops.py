@@ -121,7 +121,7 @@ def paged_indexer_logits(
            f"must be float32 [{rows}, {width}] with contiguous rows")
     if rows == 0 or width == 0:
         return out
-    kind = scorer_kind(rows, page, q_fp8.device, config)
+    kind = scorer_kind(rows, page, q_fp8.device, config, min(width, block_table.shape[1] * page))
     splits = score_splits(rows, _sms(q_fp8.device), config, kind)
     launch_score(
         q_fp8, weights, k_cache, block_table, row_lens, active_width, out, page_size=page,
