@@ -56,8 +56,8 @@ class ScorerConfig:
     """The width bound from which calls of any row count take the CUDA exact scorer (0: never by
     width)."""
     cuda_ctas_per_sm: int = 1
-    """The CUDA scorer's programs per SM, split over the call's rows (one CTA of its kernel fills
-    an SM's shared memory)."""
+    """The CUDA scorer's programs per SM, split over the call's rows (one CTA of its kernel holds
+    more than half an SM's registers)."""
     launch_dependents: bool = True
     """Each program lets the next kernel launch as it starts (``griddepcontrol.launch_dependents``,
     where Triton has it): the step's CUDA top-k, a programmatic dependent launch, is then resident
