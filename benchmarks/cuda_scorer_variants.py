@@ -7,11 +7,11 @@ A variant is ``NAME=PATH[@STAGES][:MACRO=VALUE,...]``: a source file (empty: the
 ``cuda_scorer.cu``) compiled by NVRTC with those macros defined first. Its launch follows its
 source: a source with a producer warp (``PRODUCER_WARP``) runs ``128 * CONSUMERS + 32`` threads,
 one CTA an SM, the kernel of ring ``STAGES`` (one the source instantiates; default its
-``STAGES_DEEP``); an older one-warpgroup source runs 128 threads, ``CTAS_PER_SM`` CTAs an SM. Every
-variant's scores are compared with the first variant's on the same inputs (the largest relative
-difference is printed), then timed by CUDA-graph replays with inputs rotated past L2, as
-``indexer.py`` times ``scorer_us``. Prints a table (us) and writes JSON. ``--eager``: one launch
-of each, nothing timed (for Nsight Compute).
+``STAGES_SHORT``, the ring every call runs); an older one-warpgroup source runs 128 threads,
+``CTAS_PER_SM`` CTAs an SM. Every variant's scores are compared with the first variant's on the
+same inputs (the largest relative difference is printed), then timed by CUDA-graph replays with
+inputs rotated past L2, as ``indexer.py`` times ``scorer_us``. Prints a table (us) and writes
+JSON. ``--eager``: one launch of each, nothing timed (for Nsight Compute).
 """
 
 from __future__ import annotations
@@ -72,10 +72,9 @@ def geometry(text: str, v: Variant, heads: int, precise: bool = True) -> tuple[s
     qbytes = heads * cuda_scorer.HEAD_DIM * (2 if precise else 1)
     base = f"score_h{heads}_p{int(precise)}"
     if "PRODUCER_WARP" in text:
-        stages = v.stages or source_macro(text, "STAGES_DEEP", v.defines)
+        stages = v.stages or source_macro(text, "STAGES_SHORT", v.defines)
         consumers = source_macro(text, "CONSUMERS", v.defines)
-        smem = qbytes + stages * cuda_scorer.SLOT_BYTES + stages * 20 + heads * 4
-        return f"{base}_s{stages}", 128 * consumers + 32, smem, 1
+        return f"{base}_s{stages}", 128 * consumers + 32, cuda_scorer.smem_bytes(heads, precise, stages), 1
     stages = source_macro(text, "STAGES", v.defines)
     if stages is None or v.stages not in (None, stages):
         raise ValueError(f"variant {v.name}: a one-warpgroup source runs its STAGES ring only")

@@ -198,7 +198,7 @@ def test_the_variant_tool_launches_the_library_source_as_the_module_does():
             assert got == (cuda_scorer.kernel_name(heads, True, stages), cuda_scorer.THREADS,
                            cuda_scorer.smem_bytes(heads, True, stages), 1)
     assert tool.geometry(text, tool.parse_variant("x="), 64)[0] == cuda_scorer.kernel_name(64, True)
-    name, threads, smem, _ = tool.geometry(text, tool.parse_variant("x=:CONSUMERS=3,STAGES_DEEP=9"), 64)
+    name, threads, smem, _ = tool.geometry(text, tool.parse_variant("x=:CONSUMERS=3,STAGES_SHORT=9"), 64)
     assert (name, threads, smem) == ("score_h64_p1_s9", 3 * 128 + 32, cuda_scorer.smem_bytes(64, True, 9))
 
 

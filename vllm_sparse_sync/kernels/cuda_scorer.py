@@ -50,7 +50,7 @@ def source() -> str:
     return SOURCE_PATH.read_text()
 
 
-def kernel_name(heads: int, precise: bool, stages: int = STAGES_DEEP) -> str:
+def kernel_name(heads: int, precise: bool, stages: int = STAGES_SHORT) -> str:
     if heads not in HEADS:
         raise ValueError(f"cuda scorer: heads must be one of {HEADS}, got {heads!r}")
     if stages not in (STAGES_DEEP, STAGES_SHORT):
@@ -67,7 +67,7 @@ def stages_for(sel_width: int, splits: int) -> int:
     return STAGES_DEEP if -(-tiles // max(splits, 1)) >= DEEP_MIN_TILES else STAGES_SHORT
 
 
-def smem_bytes(heads: int, precise: bool, stages: int = STAGES_DEEP) -> int:
+def smem_bytes(heads: int, precise: bool, stages: int = STAGES_SHORT) -> int:
     """Dynamic shared memory of one CTA: the query as the wgmma B operand, the page ring, its
     full and empty barriers, the slots' validity flags and the row's head weights."""
     qbytes = heads * HEAD_DIM * (2 if precise else 1)
@@ -113,7 +113,7 @@ class _Module:
         self.module = _check(driver.cuModuleLoadData(cubin), "cuModuleLoadData")
         self.functions: dict[str, object] = {}
 
-    def function(self, heads: int, precise: bool, stages: int = STAGES_DEEP):
+    def function(self, heads: int, precise: bool, stages: int = STAGES_SHORT):
         name = kernel_name(heads, precise, stages)
         fn = self.functions.get(name)
         if fn is None:
