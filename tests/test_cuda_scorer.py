@@ -188,7 +188,12 @@ def test_the_variant_tool_launches_the_library_source_as_the_module_does():
     spec.loader.exec_module(tool)
     v = tool.parse_variant("c5=@12:CONSUMERS=5,STAGES_SHORT=20")
     assert (v.name, v.path, v.defines, v.stages) == ("c5", "", {"CONSUMERS": 5, "STAGES_SHORT": 20}, 12)
-    for bad in ("noequals", "x=:CONSUMERS", "x=:lower=3", "x=:STAGES=two", "x=@deep"):
+    # the ring launched: @S/N (N live tiles for every slot), @S (every slot), none (the library's)
+    assert tool.launch_ring(tool.parse_variant("rt=@24/384")) == (24, 384)
+    assert tool.launch_ring(tool.parse_variant("d=x.cu@24:CONSUMERS=4")) == (24, 0)
+    assert tool.launch_ring(tool.parse_variant("old=x.cu")) == (None, cuda_scorer.NEVER_DEEP)
+    for bad in ("noequals", "x=:CONSUMERS", "x=:lower=3", "x=:STAGES=two", "x=@deep", "x=@24/many",
+                "x=@/3", "triton=@12"):
         with pytest.raises(ValueError, match="variant"):
             tool.parse_variant(bad)
     text = cuda_scorer.source()
@@ -200,23 +205,37 @@ def test_the_variant_tool_launches_the_library_source_as_the_module_does():
     assert tool.geometry(text, tool.parse_variant("x="), 64)[0] == cuda_scorer.kernel_name(64, True)
     name, threads, smem, _ = tool.geometry(text, tool.parse_variant("x=:CONSUMERS=3,STAGES_SHORT=9"), 64)
     assert (name, threads, smem) == ("score_h64_p1_s9", 3 * 128 + 32, cuda_scorer.smem_bytes(64, True, 9))
+    # rounds: each variant once a round, each first in one round of every len(variants)
+    orders = tool.round_orders(3, 4)
+    assert orders == [[0, 1, 2], [1, 2, 0], [2, 0, 1], [0, 1, 2]]
+    assert all(sorted(o) == [0, 1, 2] for o in orders) and {o[0] for o in orders[:3]} == {0, 1, 2}
+    with pytest.raises(ValueError, match="rounds"):
+        tool.round_orders(2, 0)
+    padded = tool.geometry(text, tool.parse_variant("x=@12:SMEM_PAD=4096"), 64)[2]
+    assert padded == cuda_scorer.smem_bytes(64, True, 12) + 4096
 
 
-def test_the_deep_ring_runs_only_where_asked(monkeypatch):
-    """``stages_for``: by default the short ring whatever the bound (a ring chosen by the host
-    bound would make a wide bound cost more); with DEEP_MIN_TILES set, the deep ring from that
-    many tiles a program by the host bound, the short one below (a bound of 0 included)."""
-    deep, short, m = cuda_scorer.STAGES_DEEP, cuda_scorer.STAGES_SHORT, 512
-    assert cuda_scorer.DEEP_MIN_TILES is None
-    rings = {cuda_scorer.stages_for(w, s) for w in (0, 4096, 131072, 2**31 - 1) for s in (1, 2, 132)}
-    assert rings == {short}
-    monkeypatch.setattr(cuda_scorer, "DEEP_MIN_TILES", m)
-    assert cuda_scorer.stages_for(64 * m, 1) == deep
-    assert cuda_scorer.stages_for(64 * m - 63, 1) == deep  # a partial tile counts
-    assert cuda_scorer.stages_for(64 * (m - 1), 1) == short
-    assert cuda_scorer.stages_for(2 * 64 * m, 2) == deep
-    assert cuda_scorer.stages_for(2 * 64 * m, 3) == short
-    assert cuda_scorer.stages_for(0, 1) == short
+def test_the_ring_is_chosen_on_the_device_not_by_the_bound(monkeypatch):
+    """``ring``: the launch's kernel and ``deep_tiles`` come from module constants alone (no
+    argument: the host bound cannot choose); the kernel picks the ring per program from its live
+    tiles (its source compares them with ``deep_tiles``). None: the short-ring kernel, never deep;
+    a bad ``DEEP_TILES`` is refused by name."""
+    import inspect
+
+    deep, short = cuda_scorer.STAGES_DEEP, cuda_scorer.STAGES_SHORT
+    assert not inspect.signature(cuda_scorer.ring).parameters
+    assert "my_tiles >= deep_tiles ? STAGES : SHORT" in cuda_scorer.source()
+    default = cuda_scorer.DEEP_TILES
+    assert cuda_scorer.ring() == ((short, cuda_scorer.NEVER_DEEP) if default is None else (deep, default))
+    monkeypatch.setattr(cuda_scorer, "DEEP_TILES", None)
+    assert cuda_scorer.ring() == (short, 2**31 - 1)
+    monkeypatch.setattr(cuda_scorer, "DEEP_TILES", 0)
+    assert cuda_scorer.ring() == (deep, 0)
+    for bad in (-1, 2**31, 3.0, True, "384"):
+        monkeypatch.setattr(cuda_scorer, "DEEP_TILES", bad)
+        with pytest.raises(ValueError, match="DEEP_TILES"):
+            cuda_scorer.ring()
     assert cuda_scorer.kernel_name(64, True, short) != cuda_scorer.kernel_name(64, True, deep)
     with pytest.raises(ValueError, match="stages"):
         cuda_scorer.kernel_name(64, True, 7)
+

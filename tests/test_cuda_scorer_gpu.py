@@ -1,9 +1,9 @@
 """The CUDA wgmma scorer (``kernels.cuda_scorer``) on a compute-capability-9.0 device, against the
 torch reference: random lengths, tables with holes and out-of-range pages, both heads counts,
 both length and table dtypes, the active-width clamp, the dense tail fill, NaN weights, the
-exact and the e4m3 path, both rings (deep and short) and a few split counts; a captured graph
-replayed with new lengths. Skips elsewhere, with the
-reason."""
+exact and the e4m3 path, the rings (short, deep, chosen per program from its live tiles) and a
+few split counts; a captured graph replayed with new lengths across the ring's threshold; the
+ring under shuffled timings (``RING_STRESS_NS``). Skips elsewhere, with the reason."""
 
 from __future__ import annotations
 
@@ -33,21 +33,27 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(WHY is not None, reason=f"CUDA
 DEV = "cuda"
 
 
+MIXED = 40
+"""a ``DEEP_TILES`` under which the tests' programs (up to ~150 tiles) run both rings in one launch"""
+
+
 @contextlib.contextmanager
 def _ring(deep):
-    """The launcher's ring: deep (True), short (False) whatever the tiles, or its own choice (None)."""
+    """The launcher's ring: deep (True: every program), short (False: the short-ring kernel), an
+    int (``DEEP_TILES``: chosen per program) or the library's default (None)."""
     from vllm_sparse_sync.kernels import cuda_scorer
 
-    saved = cuda_scorer.DEEP_MIN_TILES
+    saved = cuda_scorer.DEEP_TILES
     if deep is not None:
-        cuda_scorer.DEEP_MIN_TILES = 0 if deep else 2**40
+        cuda_scorer.DEEP_TILES = None if deep is False else (0 if deep is True else deep)
     try:
         yield
     finally:
-        cuda_scorer.DEEP_MIN_TILES = saved
+        cuda_scorer.DEEP_TILES = saved
 
 
-def _score(case, width, *, precise, active=None, fill=True, splits=None, lens=None, table=None, deep=None):
+def _score(case, width, *, precise, active=None, fill=True, splits=None, lens=None, table=None, deep=None,
+           module=None):
     from vllm_sparse_sync.kernels import cuda_scorer
     from vllm_sparse_sync.kernels.route import score_splits
 
@@ -62,7 +68,7 @@ def _score(case, width, *, precise, active=None, fill=True, splits=None, lens=No
     with _ring(deep):
         cuda_scorer.launch_cuda_score(case.q_fp8, case.weights, case.k_cache, table, lens, active, out,
                                       page_size=64, sel_width=sel, fill_width=width if fill else 0,
-                                      splits=splits, config=cfg)
+                                      splits=splits, config=cfg, module=module)
     return out
 
 
@@ -93,7 +99,7 @@ def _check(got, want, precise, n_written):
     table64=st.booleans(),
     fill=st.booleans(),
     bad_pages=st.integers(0, 3),
-    deep=st.booleans(),
+    deep=st.sampled_from([True, False, MIXED, None]),
     splits=st.sampled_from([None, 1, 2, 5]),
     seed=st.integers(0, 2**16),
 )
@@ -126,7 +132,7 @@ def test_nan_weights_and_one_page_rows():
         _check(got, want, precise, [4096] * 4)
 
 
-@pytest.mark.parametrize("deep", [True, False])
+@pytest.mark.parametrize("deep", [True, False, MIXED])
 @pytest.mark.parametrize("splits", [1, 3, 600])
 def test_any_split_count_scores_every_tile(splits, deep):
     case = make_case([20000, 7, 0, 12345], heads=64, device=DEV, seed=5)
@@ -151,8 +157,11 @@ def test_the_step_takes_the_cuda_scorer_and_stays_exact():
     assert topk_violations(got, want, case.row_lens.long(), 2048, tol=1e-5 * float(finite.abs().max())) == []
 
 
-def test_capture_then_replay_with_new_lengths():
-    case = make_case([5000, 3000, 64], heads=64, table_pages=100, device=DEV, seed=9)
+@pytest.mark.parametrize("deep", [None, 3])
+def test_capture_then_replay_with_new_lengths(deep):
+    """Replays with new lengths; with ``DEEP_TILES`` 3 a program (3 tiles at most, 40 splits) runs
+    the short ring at capture and the deep one in later replays: the graph does not fix the ring."""
+    case = make_case([64, 3000, 64], heads=64, table_pages=100, device=DEV, seed=9)
     out = torch.full((3, 6400), 7.0, device=DEV)
     from vllm_sparse_sync.kernels import cuda_scorer
 
@@ -167,7 +176,7 @@ def test_capture_then_replay_with_new_lengths():
     step()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with _ring(deep), torch.cuda.graph(graph):
         step()
     for lens in ([5000, 3000, 64], [64, 6400, 4097], [0, 0, 1]):
         out.fill_(7.0)
@@ -175,3 +184,22 @@ def test_capture_then_replay_with_new_lengths():
         graph.replay()
         torch.cuda.synchronize()
         _check(out, ref.paged_indexer_logits(*case.args, 6400), True, lens)
+
+
+@pytest.mark.parametrize("deep", [True, False, MIXED])
+@pytest.mark.parametrize("precise", [True, False])
+def test_the_ring_holds_under_shuffled_timings(deep, precise):
+    """The library source built with ``RING_STRESS_NS``: producer lanes and consumer warpgroups
+    pause pseudo-randomly (up to 3 us a tile), so copies are issued and slots read out of their
+    usual order; every score still matches the reference. Guards the ring's barrier phases (a
+    slot refilled before its reader arrived, a wait passing on a stale parity: run 73's crash). In
+this build a wait longer than 2 s traps, so a deadlocked ring fails here instead of hanging."""
+    from vllm_sparse_sync.kernels import cuda_scorer
+
+    mod = cuda_scorer.module_for(torch.cuda.current_device(), (("RING_STRESS_NS", 3000),))
+    case = make_case([30000, 64 * 300 + 5, 9000], heads=64, device=DEV, seed=21)
+    width = case.block_table.shape[1] * 64
+    want = ref.paged_indexer_logits(*case.args, width)
+    for splits in (1, 2):  # 469 and 235 tiles a program of the first row
+        got = _score(case, width, precise=precise, splits=splits, deep=deep, module=mod)
+        _check(got, want, precise, [width] * 3)

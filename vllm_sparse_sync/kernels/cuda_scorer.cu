@@ -10,13 +10,17 @@
 // One CTA an SM: CONSUMERS warpgroups (64 tokens per tile each) and one producer warp.
 //   pages     ISSUE_LANES lanes of the producer warp copy one tile each at a time (8448 bytes:
 //             8 KB of keys, then 256 B of scales) into a ring of shared-memory slots
-//             (STAGES_SHORT; STAGES_DEEP where the launcher asks) with the bulk copy
+//             (see "rings" below) with the bulk copy
 //             engine (cp.async.bulk, completion on the slot's full mbarrier), as far ahead as
 //             the ring allows; a slot is refilled once the four warps that read it have arrived
 //             on its empty mbarrier. The producer fetches the page ids 32 tiles ahead. Past the
 //             first barrier no warp waits for the CTA.
+//   rings     a kernel holds STAGES slots (STAGES_SHORT or STAGES_DEEP); a program runs all of
+//             them where it has at least deep_tiles live tiles (from the device length, so the
+//             host bound does not choose), else the first STAGES_SHORT: a deep ring measured
+//             faster only where a program has many tiles.
 //   tiles     tile it of the program is consumer warpgroup it % CONSUMERS's; each warpgroup
-//             cycles through its own slots of the ring (slot_of).
+//             cycles through its own slots of the program's ring (slot_of).
 //   scoring   the row's query, converted once into the wgmma B operand in shared memory (one
 //             image for every warpgroup; the head weights beside it); per
 //             tile each thread loads 32 key bytes of each of its two token rows (two 16-byte
@@ -38,7 +42,7 @@ typedef unsigned long long u64;
 typedef long long i64;
 
 #ifndef STAGES_DEEP
-#define STAGES_DEEP 24   // a deeper ring (the launcher's DEEP_MIN_TILES)
+#define STAGES_DEEP 24   // the deep ring (programs of at least deep_tiles live tiles)
 #endif
 #ifndef STAGES_SHORT
 #define STAGES_SHORT 12  // the ring every call runs with by default
@@ -54,6 +58,9 @@ typedef long long i64;
 #ifndef PROXY_FENCE
 #define PROXY_FENCE 0  // 1: a generic-to-async proxy fence before each refill (the empty mbarrier's
 #endif                 // release and acquire already order the consumers' reads before the copy)
+#ifndef RING_STRESS_NS
+#define RING_STRESS_NS 0  // tests only: > 0 sleeps producer lanes and consumers pseudo-randomly, up to
+#endif                    // this many ns a tile, so the ring runs under shuffled timings
 #ifndef ISSUE_LANES
 #define ISSUE_LANES CONSUMERS  // producer lanes issuing copies at once: one tile of each consumer
 #endif
@@ -61,11 +68,22 @@ typedef long long i64;
 #define PRODUCER_WARP (CONSUMERS * 4)
 
 // Tile it of a program is consumer warpgroup (it % CONSUMERS)'s; each consumer cycles through
-// its own S / CONSUMERS slots of a ring of S, so a slot's uses are one warpgroup's tiles in its
+// its own `per_consumer` slots of the ring, so a slot's uses are one warpgroup's tiles in its
 // order and its full barrier is never two phases behind the tile a consumer waits for.
-template <int S>
-__device__ __forceinline__ int slot_of(int it) {
-    return it % CONSUMERS + CONSUMERS * ((it / CONSUMERS) % (S / CONSUMERS));
+__device__ __forceinline__ int slot_of(int it, int per_consumer) {
+    return it % CONSUMERS + CONSUMERS * ((it / CONSUMERS) % per_consumer);
+}
+
+// RING_STRESS_NS > 0: a pseudo-random pause of up to RING_STRESS_NS ns (a quarter of the calls
+// none) for tile `it` of this program at point `salt`
+__device__ __forceinline__ void stress_pause(int it, u32 salt) {
+#if RING_STRESS_NS > 0
+    u32 h = (u32)it * 0x9E3779B1u ^ blockIdx.x * 0x85EBCA77u ^ blockIdx.y * 0xC2B2AE3Du ^ salt * 0x27D4EB2Fu;
+    h ^= h >> 15;
+    h *= 0x2C1B3C6Du;
+    h ^= h >> 12;
+    if (h & 3u) __nanosleep((h >> 8) % (u32)RING_STRESS_NS);
+#endif
 }
 
 __device__ __forceinline__ u32 smem_addr(const void* p) {
@@ -84,14 +102,27 @@ __device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
 }
 
+// RING_STRESS_NS > 0 (tests): a wait that has not ended after 2 s traps, so a deadlocked ring
+// fails its launch instead of hanging the test
 __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
     u32 done;
+#if RING_STRESS_NS > 0
+    u64 since = 0;
+#endif
     do {
         asm volatile(
             "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
             : "=r"(done)
             : "r"(bar), "r"(parity)
             : "memory");
+#if RING_STRESS_NS > 0
+        if (!done) {
+            u64 now;
+            asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+            if (since == 0) since = now;
+            else if (now - since > 2000000000ull) __trap();
+        }
+#endif
     } while (!done);
 }
 
@@ -165,16 +196,117 @@ __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.a
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
 
+// Query word gi (4 e4m3 bytes: head gi / 32, physical dims p .. p + 3) into the B operand image.
+template <int H, bool PRECISE>
+__device__ __forceinline__ void put_query_word(unsigned char* qimg, int gi, u32 v) {
+    constexpr int STEP_BYTES = H * HEAD_DIM * (PRECISE ? 2 : 1) / (PRECISE ? 8 : 4);
+    const int h = gi / (HEAD_DIM / 4);
+    const int p = (gi % (HEAD_DIM / 4)) * 4;
+    const int cq = p / 32;
+    const int core = (h / 8) * 256 + (h % 8) * 16;
+    if (PRECISE) {  // j = (p % 32) / 4; dims (p, p+1) -> kl 2c, 2c+1; (p+2, p+3) -> kl 2c+8, 2c+9
+        const int j = (p % 32) / 4;
+        unsigned char* base = qimg + j * STEP_BYTES + core;
+        u32 lo, hi;
+        f16x4_of_e4m3x4(v, lo, hi);
+        *reinterpret_cast<u32*>(base + (2 * cq) * 2) = lo;
+        *reinterpret_cast<u32*>(base + 128 + (2 * cq) * 2) = hi;
+    } else {  // j = (p % 32) / 8, hi = (p % 8) / 4: dims p .. p+3 -> kl 16hi + 4c .. + 3
+        const int j = (p % 32) / 8;
+        const int hi = (p % 8) / 4;
+        *reinterpret_cast<u32*>(qimg + j * STEP_BYTES + core + hi * 128 + 4 * cq) = v;
+    }
+}
+
+// One consumer warpgroup's tile: its keys and scales from `slot` (the warp then arrives on the
+// slot's empty barrier), the wgmma against the query image at qbase, relu, the head weights, the
+// token's scale; positions t * PAGE .. of out_row below n written (-inf where !ok or past n_live).
+template <int H, bool PRECISE>
+__device__ __forceinline__ void score_tile(const unsigned char* slot, int ok, u32 qbase, const float* w_img,
+                                           u32 empty_bar, float* __restrict__ out_row, int t, int n, int n_live,
+                                           int m0, int c, int lane) {
+    constexpr int QBYTES = H * HEAD_DIM * (PRECISE ? 2 : 1);
+    constexpr int STEPS = PRECISE ? 8 : 4;
+    constexpr int STEP_BYTES = QBYTES / STEPS;
+    constexpr int NACC = H / 2;
+    const int g = lane >> 2;
+    const int swap = g & 1;  // odd rows read their second 16 bytes first: no bank conflict with row g - 1
+    uint4 r0a = *reinterpret_cast<const uint4*>(slot + m0 * HEAD_DIM + 32 * c + 16 * swap);
+    uint4 r0b = *reinterpret_cast<const uint4*>(slot + m0 * HEAD_DIM + 32 * c + 16 * (swap ^ 1));
+    uint4 r1a = *reinterpret_cast<const uint4*>(slot + (m0 + 8) * HEAD_DIM + 32 * c + 16 * swap);
+    uint4 r1b = *reinterpret_cast<const uint4*>(slot + (m0 + 8) * HEAD_DIM + 32 * c + 16 * (swap ^ 1));
+    const float sc0 = reinterpret_cast<const float*>(slot + KEY_BYTES)[m0];
+    const float sc1 = reinterpret_cast<const float*>(slot + KEY_BYTES)[m0 + 8];
+    __syncwarp();
+    if (lane == 0) mbar_arrive(empty_bar);  // this warp has read the slot
+    const uint4 lo0 = swap ? r0b : r0a, hi0 = swap ? r0a : r0b;
+    const uint4 lo1 = swap ? r1b : r1a, hi1 = swap ? r1a : r1b;
+    const u32 k0[8] = {lo0.x, lo0.y, lo0.z, lo0.w, hi0.x, hi0.y, hi0.z, hi0.w};  // row m0, bytes 32c ..
+    const u32 k1[8] = {lo1.x, lo1.y, lo1.z, lo1.w, hi1.x, hi1.y, hi1.z, hi1.w};  // row m0 + 8
+
+    // the A operand of every k-step, written before the fence (wgmma reads registers that
+    // other instructions wrote only across a wgmma.fence)
+    u32 a[16];
+    u32 b[PRECISE ? 16 : 1];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        if (PRECISE) {  // k16 step j: rows m0, m0 + 8 at kl 2c, 2c+1 (a0, a1), 2c+8, 2c+9 (a2, a3)
+            f16x4_of_e4m3x4(k0[j], a[2 * j], b[2 * j]);
+            f16x4_of_e4m3x4(k1[j], a[2 * j + 1], b[2 * j + 1]);
+        } else {
+            a[2 * j] = k0[j];
+            a[2 * j + 1] = k1[j];
+        }
+    }
+    float d[NACC];
+#pragma unroll
+    for (int i = 0; i < NACC; ++i) d[i] = 0.0f;
+    wgmma_fence();
+#pragma unroll
+    for (int j = 0; j < STEPS; ++j) {
+        const u64 desc = b_desc(qbase + j * STEP_BYTES);
+        if (PRECISE) {
+            Mma<H, true>::run(d, a[2 * j], a[2 * j + 1], b[2 * j], b[2 * j + 1], desc, j > 0);
+        } else {  // k32 step j: rows m0, m0 + 8 at kl 4c .. (words 2j), 16 + 4c .. (words 2j + 1)
+            Mma<H, false>::run(d, a[4 * j], a[4 * j + 1], a[4 * j + 2], a[4 * j + 3], desc, j > 0);
+        }
+    }
+    wgmma_commit();
+    wgmma_wait();
+
+    // d[4i + 0/1]: row m0, heads 8i + 2c, 8i + 2c + 1; d[4i + 2/3]: row m0 + 8
+    float s0 = 0.0f, s1 = 0.0f, t0 = 0.0f, t1 = 0.0f;  // two chains a row
+#pragma unroll
+    for (int i = 0; i < H / 8; ++i) {  // heads 8i + 2c, 8i + 2c + 1 (the thread's columns)
+        const float2 wv = *reinterpret_cast<const float2*>(w_img + 8 * i + 2 * c);
+        s0 = fmaf(fmaxf(d[4 * i], 0.0f), wv.x, s0);
+        t0 = fmaf(fmaxf(d[4 * i + 1], 0.0f), wv.y, t0);
+        s1 = fmaf(fmaxf(d[4 * i + 2], 0.0f), wv.x, s1);
+        t1 = fmaf(fmaxf(d[4 * i + 3], 0.0f), wv.y, t1);
+    }
+    s0 += t0;
+    s1 += t1;
+    s0 += __shfl_xor_sync(0xffffffffu, s0, 1);
+    s1 += __shfl_xor_sync(0xffffffffu, s1, 1);
+    s0 += __shfl_xor_sync(0xffffffffu, s0, 2);
+    s1 += __shfl_xor_sync(0xffffffffu, s1, 2);
+    if (c < 2) {  // lane c = 0 writes row m0, c = 1 row m0 + 8
+        const int m = c == 0 ? m0 : m0 + 8;
+        const int pos = t * PAGE + m;
+        float v = (c == 0 ? s0 : s1) * (c == 0 ? sc0 : sc1);
+        if (v != v) v = __uint_as_float(__float_as_uint(v) | 0x80000000u);
+        if (!ok || pos >= n_live) v = __uint_as_float(0xff800000u);  // -inf
+        if (pos < n) out_row[pos] = v;
+    }
+}
+
 template <int H, bool PRECISE, int STAGES>
 __device__ __forceinline__ void score_row(
     const unsigned char* __restrict__ q, const float* __restrict__ w, const unsigned char* __restrict__ kc,
     const void* bt, int bt64, i64 bt_stride, const void* lens, int lens64, const void* active, int active64,
     float* __restrict__ out, i64 out_stride, int num_pages, i64 page_stride, int sel_width, int live_width,
-    int fill_width, int launch_dependents) {
+    int fill_width, int launch_dependents, int deep_tiles) {
     constexpr int QBYTES = H * HEAD_DIM * (PRECISE ? 2 : 1);  // the B operand image
-    constexpr int STEPS = PRECISE ? 8 : 4;                    // k-steps of a tile
-    constexpr int STEP_BYTES = QBYTES / STEPS;                // H * 32
-    constexpr int NACC = H / 2;                               // accumulators per thread
     constexpr int QGROUPS = H * (HEAD_DIM / 4);               // 4-byte query groups
     constexpr int QWORDS = (QGROUPS + THREADS - 1) / THREADS; // per thread
     extern __shared__ __align__(1024) unsigned char smem[];
@@ -185,9 +317,8 @@ __device__ __forceinline__ void score_row(
     float* w_img = reinterpret_cast<float*>(empty + STAGES);          // the row's head weights [H]
     int* slot_ok = reinterpret_cast<int*>(w_img + H);                 // [STAGES]
     static_assert((QBYTES + STAGES * SLOT_BYTES) % 16 == 0, "the barriers and the weights' float2 reads");
-    static_assert(STAGES % CONSUMERS == 0, "each consumer owns STAGES / CONSUMERS slots");
-    constexpr int SLOTS_PER_CONSUMER = STAGES / CONSUMERS;
-    static_assert(32 % ISSUE_LANES == 0 && ISSUE_LANES <= STAGES, "a group of issued tiles shares one page-id load");
+    static_assert(STAGES % CONSUMERS == 0 && STAGES_SHORT % CONSUMERS == 0, "each consumer owns its ring's slots / CONSUMERS");
+    static_assert(32 % ISSUE_LANES == 0 && ISSUE_LANES <= (STAGES < STAGES_SHORT ? STAGES : STAGES_SHORT), "a group of issued tiles shares one page-id load");
 
     if (launch_dependents) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
     const int row = blockIdx.x;
@@ -231,6 +362,9 @@ __device__ __forceinline__ void score_row(
     float* __restrict__ out_row = out + (i64)row * out_stride;
     const bool fills = fill_width > n && (n / PAGE + split) * PAGE < fill_width;
     if (my_tiles == 0 && !fills) return;  // CTA-uniform: no barrier was reached
+    // the program's ring (CTA-uniform): every slot for many live tiles, else the short ring's
+    constexpr int SHORT = STAGES < STAGES_SHORT ? STAGES : STAGES_SHORT;
+    const int per_consumer = (my_tiles >= deep_tiles ? STAGES : SHORT) / CONSUMERS;
 
     if (tid == 0) {
         for (int s = 0; s < STAGES; ++s) {
@@ -241,33 +375,17 @@ __device__ __forceinline__ void score_row(
     }
     // the query as the B operand image
 #pragma unroll
-    for (int i = 0; i < QWORDS; ++i) {  // 4-byte group gi: head gi / 32, physical dims p .. p + 3
+    for (int i = 0; i < QWORDS; ++i) {
         const int gi = tid + i * THREADS;
         if (gi >= QGROUPS) break;
-        const int h = gi / (HEAD_DIM / 4);
-        const int p = (gi % (HEAD_DIM / 4)) * 4;
-        const u32 v = qw[i];
-        const int cq = p / 32;
-        const int core = (h / 8) * 256 + (h % 8) * 16;
-        if (PRECISE) {  // j = (p % 32) / 4; dims (p, p+1) -> kl 2c, 2c+1; (p+2, p+3) -> kl 2c+8, 2c+9
-            const int j = (p % 32) / 4;
-            unsigned char* base = qimg + j * STEP_BYTES + core;
-            u32 lo, hi;
-            f16x4_of_e4m3x4(v, lo, hi);
-            *reinterpret_cast<u32*>(base + (2 * cq) * 2) = lo;
-            *reinterpret_cast<u32*>(base + 128 + (2 * cq) * 2) = hi;
-        } else {  // j = (p % 32) / 8, hi = (p % 8) / 4: dims p .. p+3 -> kl 16hi + 4c .. + 3
-            const int j = (p % 32) / 8;
-            const int hi = (p % 8) / 4;
-            *reinterpret_cast<u32*>(qimg + j * STEP_BYTES + core + hi * 128 + 4 * cq) = v;
-        }
+        put_query_word<H, PRECISE>(qimg, gi, qw[i]);
     }
     if (tid < H) w_img[tid] = w_mine;
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // generic writes -> wgmma reads
     __syncthreads();  // the only CTA barrier: barriers initialized, the query image written
 
     if (producer) {
-        // tile `it` into slot slot_of(it) once the warpgroup that read the slot's previous tile
+        // tile `it` into slot slot_of(it, per_consumer) once the warpgroup that read the slot's previous tile
         // has arrived on its empty barrier (the page id comes by shuffle from lane it % 32)
         {
             const int t = split + (32 + lane) * splits;
@@ -283,8 +401,9 @@ __device__ __forceinline__ void score_row(
             const int page = __shfl_sync(0xffffffffu, pages_now, it % 32);
             if (lane < ISSUE_LANES && it < my_tiles) {
                 const int j = it / CONSUMERS;  // the consumer's own tile count, and its slot's use
-                const int s = slot_of<STAGES>(it);
-                if (j >= SLOTS_PER_CONSUMER) mbar_wait(smem_addr(&empty[s]), ((j / SLOTS_PER_CONSUMER) - 1) & 1);
+                const int s = slot_of(it, per_consumer);
+                stress_pause(it, 1);
+                if (j >= per_consumer) mbar_wait(smem_addr(&empty[s]), ((j / per_consumer) - 1) & 1);
                 const int t = split + it * splits;
                 const bool ok = t * PAGE < n_live && page >= 0 && page < num_pages;
                 slot_ok[s] = ok ? 1 : 0;
@@ -306,80 +425,13 @@ __device__ __forceinline__ void score_row(
         const int wg = warp >> 2;
         const int m0 = (warp & 3) * 16 + g;  // the thread's token rows m0, m0 + 8 of a tile
         const u32 qbase = smem_addr(qimg);
-        const int swap = g & 1;  // odd rows read their second 16 bytes first: no bank conflict with row g - 1
         for (int it = wg; it < my_tiles; it += CONSUMERS) {
             const int t = split + it * splits;
-            const int s = slot_of<STAGES>(it);
-            mbar_wait(smem_addr(&full[s]), ((it / CONSUMERS) / SLOTS_PER_CONSUMER) & 1);
-            const unsigned char* slot = slots + s * SLOT_BYTES;
-            const int ok = slot_ok[s];
-            uint4 r0a = *reinterpret_cast<const uint4*>(slot + m0 * HEAD_DIM + 32 * c + 16 * swap);
-            uint4 r0b = *reinterpret_cast<const uint4*>(slot + m0 * HEAD_DIM + 32 * c + 16 * (swap ^ 1));
-            uint4 r1a = *reinterpret_cast<const uint4*>(slot + (m0 + 8) * HEAD_DIM + 32 * c + 16 * swap);
-            uint4 r1b = *reinterpret_cast<const uint4*>(slot + (m0 + 8) * HEAD_DIM + 32 * c + 16 * (swap ^ 1));
-            const float sc0 = reinterpret_cast<const float*>(slot + KEY_BYTES)[m0];
-            const float sc1 = reinterpret_cast<const float*>(slot + KEY_BYTES)[m0 + 8];
-            __syncwarp();
-            if (lane == 0) mbar_arrive(smem_addr(&empty[s]));  // this warp has read slot s
-            const uint4 lo0 = swap ? r0b : r0a, hi0 = swap ? r0a : r0b;
-            const uint4 lo1 = swap ? r1b : r1a, hi1 = swap ? r1a : r1b;
-            const u32 k0[8] = {lo0.x, lo0.y, lo0.z, lo0.w, hi0.x, hi0.y, hi0.z, hi0.w};  // row m0, bytes 32c ..
-            const u32 k1[8] = {lo1.x, lo1.y, lo1.z, lo1.w, hi1.x, hi1.y, hi1.z, hi1.w};  // row m0 + 8
-
-            // the A operand of every k-step, written before the fence (wgmma reads registers that
-            // other instructions wrote only across a wgmma.fence)
-            u32 a[16];
-            u32 b[PRECISE ? 16 : 1];
-#pragma unroll
-            for (int j = 0; j < 8; ++j) {
-                if (PRECISE) {  // k16 step j: rows m0, m0 + 8 at kl 2c, 2c+1 (a0, a1), 2c+8, 2c+9 (a2, a3)
-                    f16x4_of_e4m3x4(k0[j], a[2 * j], b[2 * j]);
-                    f16x4_of_e4m3x4(k1[j], a[2 * j + 1], b[2 * j + 1]);
-                } else {
-                    a[2 * j] = k0[j];
-                    a[2 * j + 1] = k1[j];
-                }
-            }
-            float d[NACC];
-#pragma unroll
-            for (int i = 0; i < NACC; ++i) d[i] = 0.0f;
-            wgmma_fence();
-#pragma unroll
-            for (int j = 0; j < STEPS; ++j) {
-                const u64 desc = b_desc(qbase + j * STEP_BYTES);
-                if (PRECISE) {
-                    Mma<H, true>::run(d, a[2 * j], a[2 * j + 1], b[2 * j], b[2 * j + 1], desc, j > 0);
-                } else {  // k32 step j: rows m0, m0 + 8 at kl 4c .. (words 2j), 16 + 4c .. (words 2j + 1)
-                    Mma<H, false>::run(d, a[4 * j], a[4 * j + 1], a[4 * j + 2], a[4 * j + 3], desc, j > 0);
-                }
-            }
-            wgmma_commit();
-            wgmma_wait();
-
-            // d[4i + 0/1]: row m0, heads 8i + 2c, 8i + 2c + 1; d[4i + 2/3]: row m0 + 8
-            float s0 = 0.0f, s1 = 0.0f, t0 = 0.0f, t1 = 0.0f;  // two chains a row
-#pragma unroll
-            for (int i = 0; i < H / 8; ++i) {  // heads 8i + 2c, 8i + 2c + 1 (the thread's columns)
-                const float2 wv = *reinterpret_cast<const float2*>(w_img + 8 * i + 2 * c);
-                s0 = fmaf(fmaxf(d[4 * i], 0.0f), wv.x, s0);
-                t0 = fmaf(fmaxf(d[4 * i + 1], 0.0f), wv.y, t0);
-                s1 = fmaf(fmaxf(d[4 * i + 2], 0.0f), wv.x, s1);
-                t1 = fmaf(fmaxf(d[4 * i + 3], 0.0f), wv.y, t1);
-            }
-            s0 += t0;
-            s1 += t1;
-            s0 += __shfl_xor_sync(0xffffffffu, s0, 1);
-            s1 += __shfl_xor_sync(0xffffffffu, s1, 1);
-            s0 += __shfl_xor_sync(0xffffffffu, s0, 2);
-            s1 += __shfl_xor_sync(0xffffffffu, s1, 2);
-            if (c < 2) {  // lane c = 0 writes row m0, c = 1 row m0 + 8
-                const int m = c == 0 ? m0 : m0 + 8;
-                const int pos = t * PAGE + m;
-                float v = (c == 0 ? s0 : s1) * (c == 0 ? sc0 : sc1);
-                if (v != v) v = __uint_as_float(__float_as_uint(v) | 0x80000000u);
-                if (!ok || pos >= n_live) v = __uint_as_float(0xff800000u);  // -inf
-                if (pos < n) out_row[pos] = v;
-            }
+            const int s = slot_of(it, per_consumer);
+            stress_pause(it, 2);
+            mbar_wait(smem_addr(&full[s]), ((it / CONSUMERS) / per_consumer) & 1);
+            score_tile<H, PRECISE>(slots + s * SLOT_BYTES, slot_ok[s], qbase, w_img, smem_addr(&empty[s]), out_row,
+                                   t, n, n_live, m0, c, lane);
         }
     }
     if (fill_width > n) {  // the dense API: -inf from n to fill_width
@@ -398,10 +450,10 @@ __device__ __forceinline__ void score_row(
         const unsigned char* __restrict__ kc, const void* bt, int bt64, i64 bt_stride, const void* lens, \
         int lens64, const void* active, int active64, float* __restrict__ out, i64 out_stride,          \
         int num_pages, i64 page_stride, int sel_width, int live_width, int fill_width,                 \
-        int launch_dependents) {                                                                        \
+        int launch_dependents, int deep_tiles) {                                                        \
         score_row<H, (P) != 0, S>(q, w, kc, bt, bt64, bt_stride, lens, lens64, active, active64, out,  \
                                   out_stride, num_pages, page_stride, sel_width, live_width, fill_width, \
-                                  launch_dependents);                                                   \
+                                  launch_dependents, deep_tiles);                                       \
     }
 #define SCORE_KERNELS(S) SCORE_KERNEL(64, 1, S) SCORE_KERNEL(64, 0, S) SCORE_KERNEL(32, 1, S) SCORE_KERNEL(32, 0, S)
 // the instantiations' names need the stage counts as literals

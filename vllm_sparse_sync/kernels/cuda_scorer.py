@@ -30,12 +30,15 @@ STAGES_SHORT = 12
 """pages in flight per CTA (the source's ``STAGES_SHORT``): the ring of shared-memory slots every
 call runs with by default"""
 STAGES_DEEP = 24
-"""the deeper ring (the source's ``STAGES_DEEP``), launched for programs of at least
-``DEEP_MIN_TILES`` tiles by the host bound"""
-DEEP_MIN_TILES: int | None = None
-"""None: never the deep ring. It measured faster only where a program has ~512 live tiles
-(64 rows of 64K) and slower with few (8x64K, 32x16K, 128x8K), so choosing it by the host bound
-would make a 128K bound cost more than the exact one (benchmarks/NOTES.md, session 14)"""
+"""the deep ring (the source's ``STAGES_DEEP``): a kernel of this many slots runs all of them in
+a program of at least ``DEEP_TILES`` live tiles, else the first ``STAGES_SHORT``"""
+DEEP_TILES: int | None = None
+"""live tiles (the device length's, not the host bound's) from which a program of the deep-ring
+kernel runs every slot; None: the short-ring kernel for every call. None by measurement: in run
+77 the short ring was as fast or faster on every shape, the deep ring's kernel slower even where
+its programs ran the short ring (benchmarks/NOTES.md, session 15)"""
+NEVER_DEEP = 2**31 - 1
+"""the kernel's ``deep_tiles`` where no program is to run the deep ring"""
 CONSUMERS = 4
 """consumer warpgroups per CTA (the source's ``CONSUMERS``), each scoring every CONSUMERS-th tile"""
 THREADS = CONSUMERS * 128 + 32
@@ -58,13 +61,16 @@ def kernel_name(heads: int, precise: bool, stages: int = STAGES_SHORT) -> str:
     return f"score_h{heads}_p{int(bool(precise))}_s{stages}"
 
 
-def stages_for(sel_width: int, splits: int) -> int:
-    """The ring a program of the (rows, ``splits``) grid runs with: deep where ``DEEP_MIN_TILES``
-    is set and the host bound ``sel_width`` gives the program at least that many tiles."""
-    if DEEP_MIN_TILES is None:
-        return STAGES_SHORT
-    tiles = -(-max(sel_width, 0) // PAGE)
-    return STAGES_DEEP if -(-tiles // max(splits, 1)) >= DEEP_MIN_TILES else STAGES_SHORT
+def ring() -> tuple[int, int]:
+    """(the kernel's slots, its ``deep_tiles``) for every launch: the deep-ring kernel choosing
+    per program from ``DEEP_TILES``, or the short-ring kernel where that is None. Host constants
+    only: no launch depends on the call's bound."""
+    if DEEP_TILES is None:
+        return STAGES_SHORT, NEVER_DEEP
+    if isinstance(DEEP_TILES, bool) or not isinstance(DEEP_TILES, int) or not 0 <= DEEP_TILES <= NEVER_DEEP:
+        raise ValueError(f"cuda_scorer.DEEP_TILES: must be None or an int in [0, 2**31 - 1], "
+                         f"got {DEEP_TILES!r}")
+    return STAGES_DEEP, DEEP_TILES
 
 
 def smem_bytes(heads: int, precise: bool, stages: int = STAGES_SHORT) -> int:
@@ -99,9 +105,10 @@ def takes(q_fp8: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor,
 
 
 class _Module:
-    """The compiled scorer of one device."""
+    """The compiled scorer of one device (``defines``: macros defined before the source, as the
+    tests' ``RING_STRESS_NS``)."""
 
-    def __init__(self, index: int) -> None:
+    def __init__(self, index: int, defines: tuple[tuple[str, int], ...] = ()) -> None:
         driver, _ = cuda_topk._bindings()
         self.driver = driver
         _check = cuda_topk._check
@@ -109,7 +116,8 @@ class _Module:
         cu_dev = _check(driver.cuDeviceGet(index), "cuDeviceGet")
         self.ctx = _check(driver.cuDevicePrimaryCtxRetain(cu_dev), "cuDevicePrimaryCtxRetain")
         _check(driver.cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent")
-        cubin, _ = cuda_topk.compile_source(ARCH, text=source(), name="cuda_scorer.cu")
+        text = "".join(f"#define {k} {int(v)}\n" for k, v in defines) + source()
+        cubin, _ = cuda_topk.compile_source(ARCH, text=text, name="cuda_scorer.cu")
         self.module = _check(driver.cuModuleLoadData(cubin), "cuModuleLoadData")
         self.functions: dict[str, object] = {}
 
@@ -126,7 +134,7 @@ class _Module:
         return fn
 
 
-_MODULES: dict[int, _Module] = {}
+_MODULES: dict[tuple, _Module] = {}
 _LOCK = threading.Lock()
 
 
@@ -134,17 +142,19 @@ def _index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
-def module_for(index: int) -> _Module:
-    mod = _MODULES.get(index)
+def module_for(index: int, defines: tuple[tuple[str, int], ...] = ()) -> _Module:
+    """The scorer compiled for device ``index`` (with ``defines``), compiled on first use."""
+    key = (index, tuple(defines))
+    mod = _MODULES.get(key)
     if mod is None:
         with _LOCK:
-            mod = _MODULES.get(index)
+            mod = _MODULES.get(key)
             if mod is None:
                 ok, why = status(index)
                 if not ok:
                     raise RuntimeError(f"cuda scorer unavailable: {why}")
-                mod = _Module(index)
-                _MODULES[index] = mod
+                mod = _Module(index, tuple(defines))
+                _MODULES[key] = mod
     return mod
 
 
@@ -159,23 +169,25 @@ def warmup(device: torch.device | str = "cuda") -> None:
 
 def launch_cuda_score(
     q_fp8, weights, k_cache, block_table, row_lens, active, out, *, page_size, sel_width, fill_width,
-    splits, config,
+    splits, config, module: _Module | None = None,
 ) -> None:
     """The scorer's launch (``config``: a ``ScorerConfig``) on a call ``takes`` accepts; arguments
-    as ``triton_scorer.launch_score``."""
+    as ``triton_scorer.launch_score`` (``module``: a ``module_for`` build, default the device's)."""
     rows, heads, _ = q_fp8.shape
-    mod = module_for(_index(q_fp8.device))
-    stages = stages_for(sel_width, splits)
+    mod = module or module_for(_index(q_fp8.device))
+    stages, deep_tiles = ring()
     fn = mod.function(heads, config.precise, stages)
     values = score_values(q_fp8, weights, k_cache, block_table, row_lens, active, out, page_size=page_size,
-                          sel_width=sel_width, fill_width=fill_width, config=config)
+                          sel_width=sel_width, fill_width=fill_width, config=config, deep_tiles=deep_tiles)
     cuda_topk.launch_values(mod, fn, (rows, splits, 1), THREADS, smem_bytes(heads, config.precise, stages),
                             values, q_fp8.device)
 
 
+
 def score_values(q_fp8, weights, k_cache, block_table, row_lens, active, out, *, page_size, sel_width,
-                 fill_width, config) -> tuple:
-    """The kernel's parameters (ctypes values) for a call ``takes`` accepts."""
+                 fill_width, config, deep_tiles: int = NEVER_DEEP) -> tuple:
+    """The kernel's parameters (ctypes values) for a call ``takes`` accepts (``deep_tiles``: live
+    tiles from which a program of the deep-ring kernel runs all its slots)."""
     for name, t in (("row_lens", row_lens), ("active_width", active)):
         if t is not None and t.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"cuda scorer: {name} must be int32 or int64, got {t.dtype}")
@@ -198,4 +210,5 @@ def score_values(q_fp8, weights, k_cache, block_table, row_lens, active, out, *,
         ctypes.c_int(block_table.shape[1] * page_size),
         ctypes.c_int(fill_width),
         ctypes.c_int(int(config.launch_dependents)),
+        ctypes.c_int(deep_tiles),
     )
