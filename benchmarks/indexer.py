@@ -4,6 +4,8 @@
                                  [--peers-only] [--no-peers] [--config topk.algo=radix,...]
                                  [--topk-algos radix,sample] [--baseline results/OLD.json]
     python benchmarks/indexer.py --combine A.json B.json --out C.json   # merge runs, print table
+    python benchmarks/indexer.py --spread A.json B.json C.json [--out S.json]  # ratios across runs
+    python benchmarks/indexer.py --rounds 3 ...   # ours and each peer timed 3 times a shape, rotated
 
 Our step runs on a workspace sized for a serving runner (``SERVING_ROWS`` rows, 128K wide), so
 the route each call takes is the planner's choice for the call's own rows. ``--baseline`` prints
@@ -16,7 +18,11 @@ made by ``benchmarks/peers.sh``, or ``.peers_fi/`` (FlashInfer's native top-k he
 top-k cubin, ``benchmarks/peers_sglang.sh``); all four fit one device transfer together (about
 26 MB, vLLM's library trimmed to its sm_90 code), so every peer is timed in the same run
 (``--combine`` still merges separate runs). The best of the peer top-k times measured (with a passing set check) is what
-``topk_over_best_peer`` divides by.
+``topk_over_best_peer`` divides by. ``--spread`` takes runs of one build and prints each shape's
+same-run ratios across them (median, lowest, highest, and how many runs met 1.0 / 0.9): how far a
+ratio moves from run to run. ``--rounds N`` times ours and every peer N times a shape, round k
+starting with the k-th of them (a sustained shape slows the device as it runs, so whoever is timed
+first gains); each time is the median over the rounds, every round kept under ``rounds``.
 """
 
 from __future__ import annotations
@@ -497,6 +503,60 @@ def combine(paths: list[str]) -> dict:
     return dict(runs=[r.get("meta", {}) for r in runs], copy_tbs=bw, shapes=shapes)
 
 
+def merge_rounds(rounds: list[dict]) -> dict:
+    """One shape's rounds as one result: each numeric field the median of the rounds that have it
+    (the upper one of an even count), others from the first round that has them."""
+    if not rounds:
+        raise ValueError("merge_rounds: needs at least one round")
+    out: dict = {}
+    for key in dict.fromkeys(k for r in rounds for k in r):
+        vals = [r[key] for r in rounds if key in r]
+        nums = [v for v in vals if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        out[key] = sorted(nums)[len(nums) // 2] if len(nums) == len(vals) else vals[0]
+    return out
+
+
+SPREAD_RATIOS = (("topk_over_best_peer", 1.0), ("ours_over_best_peer", 1.0), ("ours_fp8_over_best_peer", 0.9))
+"""the ratios ``spread`` reports, each with the target it counts runs against"""
+
+
+def spread(runs: list[dict]) -> list[dict]:
+    """Per shape (in the first run's order), each ratio of ``SPREAD_RATIOS`` across the runs that
+    have it: median, min, max, runs, and runs at or under its target. A shape missing from a run,
+    or a ratio missing from a shape, is left out of that ratio's count (not read as a pass)."""
+    if not runs:
+        raise ValueError("spread: needs at least one run")
+    order = [(r["B"], r["L"]) for r in runs[0]["shapes"]]
+    by_shape = [{(r["B"], r["L"]): r for r in run["shapes"]} for run in runs]
+    out = []
+    for key in order:
+        row = dict(B=key[0], L=key[1])
+        for name, target in SPREAD_RATIOS:
+            vals = sorted(s[key][name] for s in by_shape if key in s and s[key].get(name) is not None)
+            if not vals:
+                continue
+            mid = len(vals) // 2
+            median = vals[mid] if len(vals) % 2 else (vals[mid - 1] + vals[mid]) / 2
+            row[name] = dict(median=median, min=vals[0], max=vals[-1], runs=len(vals),
+                             met=sum(v <= target for v in vals))
+        out.append(row)
+    return out
+
+
+def spread_table(rows: list[dict]) -> str:
+    """``spread``'s rows as a table: median [min, max] met/runs for each ratio."""
+    lines = ["| B | L | " + " | ".join(n for n, _ in SPREAD_RATIOS) + " |",
+             "|---:|---:|" + "---|" * len(SPREAD_RATIOS)]
+    for r in rows:
+        cells = []
+        for name, target in SPREAD_RATIOS:
+            v = r.get(name)
+            cells.append("-" if v is None else f"{v['median']:.2f} [{v['min']:.2f}, {v['max']:.2f}] "
+                         f"{v['met']}/{v['runs']} <= {target}")
+        lines.append(f"| {r['B']} | {r['L']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def parse_config(text: str) -> KernelConfig:
     """``"topk.algo=radix,scorer.precise=false"`` over the defaults."""
     return DEFAULT_CONFIG.with_values(**parse_assignments(text)) if text else DEFAULT_CONFIG
@@ -527,8 +587,16 @@ def main() -> None:
     ap.add_argument("--topk-algos", default="radix,sample,cuda_radix",
                     help="top-k algorithms to time besides the config's (topk_<algo>_us, step_<algo>_us)")
     ap.add_argument("--combine", nargs="*")
+    ap.add_argument("--spread", nargs="*", help="runs of one build: each shape's ratios across them")
+    ap.add_argument("--rounds", type=int, default=1, help="ours and each peer timed this many times a shape")
     ap.add_argument("--baseline", default="", help="a committed run to compare each shape's step time with")
     a = ap.parse_args()
+    if a.spread:
+        rows = spread([json.load(open(p)) for p in a.spread])
+        print(spread_table(rows))
+        if a.out:
+            json.dump(dict(runs=a.spread, shapes=rows), open(a.out, "w"), indent=1)
+        return
     if not torch.cuda.is_available() and not a.combine:
         print("error: benchmarks/indexer.py times CUDA kernels and needs a CUDA device "
               f"(torch {torch.__version__}: {'no device visible' if torch.version.cuda else 'a CPU build'})",
@@ -574,20 +642,25 @@ def main() -> None:
         copies = max(2, min(128, math.ceil(L2_BYTES / (B * L * 132))))
         ncalls = max(12, copies)
         inp = Inputs(B, L, copies)
-        res = dict(B=B, L=L, copies=copies, calls_per_graph=ncalls)
-        try:
-            if not a.peers_only:
-                bench_ours(inp, ncalls, config, res, tuple(x for x in a.topk_algos.split(",") if x))
-            if dg is not None:
-                bench_deepgemm(dg, inp, ncalls, res)
-            if vt is not None:
-                bench_vllm_topk(vt, inp, ncalls, res)
-            if fi is not None:
-                bench_flashinfer_topk(fi, inp, ncalls, res)
-            if sgl is not None:
-                bench_sglang_topk(sgl, inp, ncalls, res)
-        except Exception as exc:
-            res["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+        algos = tuple(x for x in a.topk_algos.split(",") if x)
+        # each bench(res, inputs, calls): ours, then every peer that loaded
+        benches = [] if a.peers_only else [lambda r, i, n, algos=algos: bench_ours(i, n, config, r, algos)]
+        for fn, peer in ((bench_deepgemm, dg), (bench_vllm_topk, vt), (bench_flashinfer_topk, fi),
+                         (bench_sglang_topk, sgl)):
+            if peer is not None:
+                benches.append(lambda r, i, n, fn=fn, peer=peer: fn(peer, i, n, r))
+        rounds = []
+        for k in range(max(1, a.rounds)):
+            one = dict(B=B, L=L, copies=copies, calls_per_graph=ncalls)
+            try:
+                for i in range(len(benches)):  # round k starts with the k-th bench
+                    benches[(k + i) % len(benches)](one, inp, ncalls)
+            except Exception as exc:
+                one["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+            rounds.append(one)
+        res = merge_rounds(rounds)
+        if a.rounds > 1:
+            res["rounds"] = [derive(dict(r), bw) for r in rounds]
         derive(res, bw)
         print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in res.items()}),
               flush=True)
