@@ -123,6 +123,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1,
                     help="times each variant is timed a shape, in rotated orders")
     a = ap.parse_args()
+    if a.rounds < 1:
+        ap.error(f"--rounds: must be >= 1, got {a.rounds}")
     variants = [parse_variant(v) for v in (a.variant or ["lib="])]
 
     import torch

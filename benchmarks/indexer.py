@@ -591,6 +591,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1, help="ours and each peer timed this many times a shape")
     ap.add_argument("--baseline", default="", help="a committed run to compare each shape's step time with")
     a = ap.parse_args()
+    if a.rounds < 1:
+        ap.error(f"--rounds: must be >= 1, got {a.rounds}")
     if a.spread:
         rows = spread([json.load(open(p)) for p in a.spread])
         print(spread_table(rows))
@@ -650,7 +652,7 @@ def main() -> None:
             if peer is not None:
                 benches.append(lambda r, i, n, fn=fn, peer=peer: fn(peer, i, n, r))
         rounds = []
-        for k in range(max(1, a.rounds)):
+        for k in range(a.rounds):
             one = dict(B=B, L=L, copies=copies, calls_per_graph=ncalls)
             try:
                 for i in range(len(benches)):  # round k starts with the k-th bench

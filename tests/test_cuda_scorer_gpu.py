@@ -159,8 +159,9 @@ def test_the_step_takes_the_cuda_scorer_and_stays_exact():
 
 @pytest.mark.parametrize("deep", [None, 3])
 def test_capture_then_replay_with_new_lengths(deep):
-    """Replays with new lengths; with ``DEEP_TILES`` 3 a program (3 tiles at most, 40 splits) runs
-    the short ring at capture and the deep one in later replays: the graph does not fix the ring."""
+    """Replays with new lengths; with ``DEEP_TILES`` 3 (the deep-ring kernel captured, 40 splits) a
+    program of 1-2 tiles runs the short ring and one of 3 the deep one, and which programs do
+    changes from replay to replay with the lengths: the graph does not fix the ring."""
     case = make_case([64, 3000, 64], heads=64, table_pages=100, device=DEV, seed=9)
     out = torch.full((3, 6400), 7.0, device=DEV)
     from vllm_sparse_sync.kernels import cuda_scorer

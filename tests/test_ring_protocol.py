@@ -147,7 +147,6 @@ class RingModel:
 
     def __init__(self, ring: Ring, n_tiles: int):
         self.ring, self.n = ring, n_tiles
-        self.end = n_tiles
         self.full = [Barrier(1) for _ in range(ring.slots)]
         self.empty = [Barrier(ring.empty_count) for _ in range(ring.slots)]
         self.slots = [Slot() for _ in range(ring.slots)]
@@ -162,7 +161,7 @@ class RingModel:
     def actions(self) -> list[Action]:
         """Every action some actor can take now (a wait that would pass is an action)."""
         ring, acts = self.ring, []
-        for it in range(self.base, min(self.base + ISSUE_LANES, self.end)):
+        for it in range(self.base, min(self.base + ISSUE_LANES, self.n)):
             if it not in self.issued:
                 use = ring.use(it)
                 waits = use > 0 and ring.producer_waits_empty
@@ -173,7 +172,7 @@ class RingModel:
             it = self.next_tile[c, w]
             if (c, w) in self.reading:
                 acts.append(("arrive", c, w))
-            elif it < self.end and self.full[ring.slot(it)].passes(ring.use(it) & 1):
+            elif it < self.n and self.full[ring.slot(it)].passes(ring.use(it) & 1):
                 acts.append(("read", c, w))
         return acts
 
@@ -207,9 +206,9 @@ class RingModel:
         self.full[s].arrive(tx=1)
         self.issued.add(it)
         self.copies.append(it)
-        group = range(self.base, min(self.base + ISSUE_LANES, self.end))
+        group = range(self.base, min(self.base + ISSUE_LANES, self.n))
         if all(t in self.issued for t in group):  # __syncwarp: the next group
-            self.base = min(self.base + ISSUE_LANES, self.end)
+            self.base = min(self.base + ISSUE_LANES, self.n)
 
     def _read(self, c: int, w: int) -> None:
         it = self.next_tile[c, w]
