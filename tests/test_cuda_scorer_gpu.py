@@ -2,8 +2,9 @@
 torch reference: random lengths, tables with holes and out-of-range pages, both heads counts,
 both length and table dtypes, the active-width clamp, the dense tail fill, NaN weights, the
 exact and the e4m3 path, the rings (short, deep, chosen per program from its live tiles) and a
-few split counts; a captured graph replayed with new lengths across the ring's threshold; the
-ring under shuffled timings (``RING_STRESS_NS``). Skips elsewhere, with the reason."""
+few split counts; keys and queries of every e4m3 byte (NaN keys included); a captured graph
+replayed with new lengths across the ring's threshold; the ring under shuffled timings
+(``RING_STRESS_NS``). Skips elsewhere, with the reason."""
 
 from __future__ import annotations
 
@@ -204,3 +205,29 @@ this build a wait longer than 2 s traps, so a deadlocked ring fails here instead
     for splits in (1, 2):  # 469 and 235 tiles a program of the first row
         got = _score(case, width, precise=precise, splits=splits, deep=deep, module=mod)
         _check(got, want, precise, [width] * 3)
+
+
+
+
+@pytest.mark.parametrize("heads", [64, 32])
+def test_every_key_byte_scores_as_the_reference(heads):
+    """Keys and queries of every e4m3 byte (±0, subnormals, ±448; NaN keys) on the exact path,
+    with 0-2, 11-64 and 4-22 tiles a program: the scores are the reference's, a NaN key byte
+    making its token's dots NaN (relu 0, the reference's maxNum)."""
+    case = make_case([4096, 700, 64 * 20 + 3], heads=heads, device=DEV, seed=31)
+    g = torch.Generator(device=DEV).manual_seed(7)
+    keys = case.k_cache[:, : 64 * 128]
+    keys.copy_(torch.randint(0, 256, keys.shape, generator=g, device=DEV, dtype=torch.int32).to(torch.uint8))
+    first = int(case.block_table[0, 0])
+    keys.view(-1, 64, 128)[first, :2] = torch.arange(256, device=DEV, dtype=torch.uint8).view(2, 128)
+    nan_token = ((keys.view(-1, 64, 128) & 0x7F) == 0x7F).any(dim=2)
+    assert bool(nan_token.any()) and not bool(nan_token.all())
+    qb = torch.randint(0, 256, case.q_fp8.shape, generator=g, device=DEV, dtype=torch.int32).to(torch.uint8)
+    qb[qb & 0x7F == 0x7F] = 0x01  # queries finite
+    case.q_fp8.view(torch.uint8).copy_(qb)
+    case.weights.copy_(torch.rand(case.weights.shape, generator=g, device=DEV) - 0.3)
+    width = case.block_table.shape[1] * 64
+    want = ref.paged_indexer_logits(*case.args, width)
+    assert bool((want[0, :2] == 0).all())  # tokens 0, 1 hold NaN bytes: every dot relu 0
+    for splits in (None, 1, 3):
+        _check(_score(case, width, precise=True, splits=splits), want, True, [width] * 3)

@@ -22,12 +22,12 @@
 //   tiles     tile it of the program is consumer warpgroup it % CONSUMERS's; each warpgroup
 //             cycles through its own slots of the program's ring (slot_of).
 //   scoring   the row's query, converted once into the wgmma B operand in shared memory (one
-//             image for every warpgroup; the head weights beside it); per
-//             tile each thread loads 32 key bytes of each of its two token rows (two 16-byte
-//             shared loads a row), which are the wgmma A operand in registers (PRECISE: each
-//             e4m3 pair converted to f16x2, exact); H/8 x (8 k16 steps f16 | 4 k32 steps e4m3)
-//             wgmma with fp32 accumulators; then relu, the head weights, the quad's sum, the
-//             token's scale, one store per token.
+//             image for every warpgroup, its k-steps' descriptors made once a program); each
+//             consumer thread holds its heads' weights in registers; per tile each thread loads
+//             32 key bytes of each of its two token rows (two 16-byte shared loads a row), which
+//             are the wgmma A operand in registers (PRECISE: each e4m3 pair converted to f16x2,
+//             exact); H/8 x (8 k16 steps f16 | 4 k32 steps e4m3) wgmma with fp32 accumulators;
+//             then relu, the head weights, the quad's sum, the token's scale, one store per token.
 //   K order   a sum over k does not depend on the order of its terms: thread (g, c) of a warp
 //             holds key bytes 32c .. 32c + 31 of its rows, and the B operand is the query with
 //             its dimensions permuted the same way (phys_dim below), so each thread's key bytes
@@ -195,6 +195,12 @@ MMA(32, false, "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3", "", D16, 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait1() { asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void fence_operands(float (&d)[N]) {  // no read of d moves above a wait
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
 
 // Query word gi (4 e4m3 bytes: head gi / 32, physical dims p .. p + 3) into the B operand image.
 template <int H, bool PRECISE>
@@ -218,53 +224,59 @@ __device__ __forceinline__ void put_query_word(unsigned char* qimg, int gi, u32 
     }
 }
 
-// One consumer warpgroup's tile: its keys and scales from `slot` (the warp then arrives on the
-// slot's empty barrier), the wgmma against the query image at qbase, relu, the head weights, the
-// token's scale; positions t * PAGE .. of out_row below n written (-inf where !ok or past n_live).
-template <int H, bool PRECISE>
-__device__ __forceinline__ void score_tile(const unsigned char* slot, int ok, u32 qbase, const float* w_img,
-                                           u32 empty_bar, float* __restrict__ out_row, int t, int n, int n_live,
-                                           int m0, int c, int lane) {
-    constexpr int QBYTES = H * HEAD_DIM * (PRECISE ? 2 : 1);
-    constexpr int STEPS = PRECISE ? 8 : 4;
-    constexpr int STEP_BYTES = QBYTES / STEPS;
-    constexpr int NACC = H / 2;
-    const int g = lane >> 2;
-    const int swap = g & 1;  // odd rows read their second 16 bytes first: no bank conflict with row g - 1
-    uint4 r0a = *reinterpret_cast<const uint4*>(slot + m0 * HEAD_DIM + 32 * c + 16 * swap);
-    uint4 r0b = *reinterpret_cast<const uint4*>(slot + m0 * HEAD_DIM + 32 * c + 16 * (swap ^ 1));
-    uint4 r1a = *reinterpret_cast<const uint4*>(slot + (m0 + 8) * HEAD_DIM + 32 * c + 16 * swap);
-    uint4 r1b = *reinterpret_cast<const uint4*>(slot + (m0 + 8) * HEAD_DIM + 32 * c + 16 * (swap ^ 1));
-    const float sc0 = reinterpret_cast<const float*>(slot + KEY_BYTES)[m0];
-    const float sc1 = reinterpret_cast<const float*>(slot + KEY_BYTES)[m0 + 8];
+// A thread's share of a tile: 32 key bytes of each of its rows m0, m0 + 8 (bytes 32c ..), their scales.
+struct TileRegs {
+    u32 k0[8], k1[8];
+    float sc0, sc1;
+};
+
+// One warp's reads of a tile from `slot` (16-byte loads in row order: rows g and g + 1 share banks
+// for one extra wavefront a load, measured cheaper than the register moves that avoid it); the warp
+// then arrives on the slot's empty barrier.
+__device__ __forceinline__ void load_tile(const unsigned char* slot, u32 empty_bar, int m0, int c, int lane,
+                                          TileRegs& r) {
+    const uint4 lo0 = *reinterpret_cast<const uint4*>(slot + m0 * HEAD_DIM + 32 * c);
+    const uint4 hi0 = *reinterpret_cast<const uint4*>(slot + m0 * HEAD_DIM + 32 * c + 16);
+    const uint4 lo1 = *reinterpret_cast<const uint4*>(slot + (m0 + 8) * HEAD_DIM + 32 * c);
+    const uint4 hi1 = *reinterpret_cast<const uint4*>(slot + (m0 + 8) * HEAD_DIM + 32 * c + 16);
+    r.sc0 = reinterpret_cast<const float*>(slot + KEY_BYTES)[m0];
+    r.sc1 = reinterpret_cast<const float*>(slot + KEY_BYTES)[m0 + 8];
     __syncwarp();
     if (lane == 0) mbar_arrive(empty_bar);  // this warp has read the slot
-    const uint4 lo0 = swap ? r0b : r0a, hi0 = swap ? r0a : r0b;
-    const uint4 lo1 = swap ? r1b : r1a, hi1 = swap ? r1a : r1b;
-    const u32 k0[8] = {lo0.x, lo0.y, lo0.z, lo0.w, hi0.x, hi0.y, hi0.z, hi0.w};  // row m0, bytes 32c ..
-    const u32 k1[8] = {lo1.x, lo1.y, lo1.z, lo1.w, hi1.x, hi1.y, hi1.z, hi1.w};  // row m0 + 8
+    const u32 k0[8] = {lo0.x, lo0.y, lo0.z, lo0.w, hi0.x, hi0.y, hi0.z, hi0.w};
+    const u32 k1[8] = {lo1.x, lo1.y, lo1.z, lo1.w, hi1.x, hi1.y, hi1.z, hi1.w};
+#pragma unroll
+    for (int j = 0; j < 8; ++j) r.k0[j] = k0[j], r.k1[j] = k1[j];
+}
 
-    // the A operand of every k-step, written before the fence (wgmma reads registers that
-    // other instructions wrote only across a wgmma.fence)
-    u32 a[16];
-    u32 b[PRECISE ? 16 : 1];
+// The A operand of every k-step from a thread's key words (wgmma reads registers that other
+// instructions wrote only across a wgmma.fence, which mma_issue puts after this).
+template <bool PRECISE>
+__device__ __forceinline__ void a_operand(const TileRegs& r, u32 (&a)[16], u32 (&b)[PRECISE ? 16 : 1]) {
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
         if (PRECISE) {  // k16 step j: rows m0, m0 + 8 at kl 2c, 2c+1 (a0, a1), 2c+8, 2c+9 (a2, a3)
-            f16x4_of_e4m3x4(k0[j], a[2 * j], b[2 * j]);
-            f16x4_of_e4m3x4(k1[j], a[2 * j + 1], b[2 * j + 1]);
+            f16x4_of_e4m3x4(r.k0[j], a[2 * j], b[2 * j]);
+            f16x4_of_e4m3x4(r.k1[j], a[2 * j + 1], b[2 * j + 1]);
         } else {
-            a[2 * j] = k0[j];
-            a[2 * j + 1] = k1[j];
+            a[2 * j] = r.k0[j];
+            a[2 * j + 1] = r.k1[j];
         }
     }
-    float d[NACC];
-#pragma unroll
-    for (int i = 0; i < NACC; ++i) d[i] = 0.0f;
+}
+
+// The tile's wgmma group against the query image whose first k-step's descriptor is desc0 (made
+// once a program) into d: issued and committed, not waited.
+template <int H, bool PRECISE>
+__device__ __forceinline__ void mma_issue(float (&d)[H / 2], const u32 (&a)[16], const u32 (&b)[PRECISE ? 16 : 1],
+                                          u64 desc0) {
+    constexpr int STEPS = PRECISE ? 8 : 4;
+    constexpr int STEP_BYTES = H * HEAD_DIM * (PRECISE ? 2 : 1) / STEPS;
     wgmma_fence();
 #pragma unroll
     for (int j = 0; j < STEPS; ++j) {
-        const u64 desc = b_desc(qbase + j * STEP_BYTES);
+        // step j's: its address field (bits 0-13, 16-byte units) moved on, no carry out below 256 KB
+        const u64 desc = desc0 + (u64)((j * STEP_BYTES) >> 4);
         if (PRECISE) {
             Mma<H, true>::run(d, a[2 * j], a[2 * j + 1], b[2 * j], b[2 * j + 1], desc, j > 0);
         } else {  // k32 step j: rows m0, m0 + 8 at kl 4c .. (words 2j), 16 + 4c .. (words 2j + 1)
@@ -272,17 +284,22 @@ __device__ __forceinline__ void score_tile(const unsigned char* slot, int ok, u3
         }
     }
     wgmma_commit();
-    wgmma_wait();
+}
 
-    // d[4i + 0/1]: row m0, heads 8i + 2c, 8i + 2c + 1; d[4i + 2/3]: row m0 + 8
+// relu, the head weights, the quad's sum, the token's scale; positions t * PAGE .. of out_row
+// below n written (-inf where !ok or past n_live). d[4i + 0/1]: row m0, heads 8i + 2c, 8i + 2c + 1;
+// d[4i + 2/3]: row m0 + 8; w_reg[2i], w_reg[2i + 1]: those heads' weights.
+template <int H>
+__device__ __forceinline__ void store_scores(const float (&d)[H / 2], const float (&w_reg)[H / 4],
+                                             float sc0, float sc1, int ok, float* __restrict__ out_row, int t,
+                                             int n, int n_live, int m0, int c) {
     float s0 = 0.0f, s1 = 0.0f, t0 = 0.0f, t1 = 0.0f;  // two chains a row
 #pragma unroll
     for (int i = 0; i < H / 8; ++i) {  // heads 8i + 2c, 8i + 2c + 1 (the thread's columns)
-        const float2 wv = *reinterpret_cast<const float2*>(w_img + 8 * i + 2 * c);
-        s0 = fmaf(fmaxf(d[4 * i], 0.0f), wv.x, s0);
-        t0 = fmaf(fmaxf(d[4 * i + 1], 0.0f), wv.y, t0);
-        s1 = fmaf(fmaxf(d[4 * i + 2], 0.0f), wv.x, s1);
-        t1 = fmaf(fmaxf(d[4 * i + 3], 0.0f), wv.y, t1);
+        s0 = fmaf(fmaxf(d[4 * i], 0.0f), w_reg[2 * i], s0);
+        t0 = fmaf(fmaxf(d[4 * i + 1], 0.0f), w_reg[2 * i + 1], t0);
+        s1 = fmaf(fmaxf(d[4 * i + 2], 0.0f), w_reg[2 * i], s1);
+        t1 = fmaf(fmaxf(d[4 * i + 3], 0.0f), w_reg[2 * i + 1], t1);
     }
     s0 += t0;
     s1 += t1;
@@ -298,6 +315,14 @@ __device__ __forceinline__ void score_tile(const unsigned char* slot, int ok, u3
         if (!ok || pos >= n_live) v = __uint_as_float(0xff800000u);  // -inf
         if (pos < n) out_row[pos] = v;
     }
+}
+
+// A consumer's wait for its tile it: the slot's full barrier at that use's parity; the slot.
+__device__ __forceinline__ int wait_tile(u64* full, int it, int per_consumer) {
+    const int s = slot_of(it, per_consumer);
+    stress_pause(it, 2);
+    mbar_wait(smem_addr(&full[s]), ((it / CONSUMERS) / per_consumer) & 1);
+    return s;
 }
 
 template <int H, bool PRECISE, int STAGES>
@@ -424,14 +449,23 @@ __device__ __forceinline__ void score_row(
         // consumer warpgroup wg scores tiles wg, wg + CONSUMERS, ... of this program
         const int wg = warp >> 2;
         const int m0 = (warp & 3) * 16 + g;  // the thread's token rows m0, m0 + 8 of a tile
-        const u32 qbase = smem_addr(qimg);
+        const u64 desc0 = b_desc(smem_addr(qimg));
+        float w_reg[H / 4];  // heads 8i + 2c, 8i + 2c + 1: the row's weights, held for every tile
+#pragma unroll
+        for (int i = 0; i < H / 8; ++i) w_reg[2 * i] = w_img[8 * i + 2 * c], w_reg[2 * i + 1] = w_img[8 * i + 2 * c + 1];
+        u32 a[16];
+        u32 b[PRECISE ? 16 : 1];
+        TileRegs tr;
         for (int it = wg; it < my_tiles; it += CONSUMERS) {
-            const int t = split + it * splits;
-            const int s = slot_of(it, per_consumer);
-            stress_pause(it, 2);
-            mbar_wait(smem_addr(&full[s]), ((it / CONSUMERS) / per_consumer) & 1);
-            score_tile<H, PRECISE>(slots + s * SLOT_BYTES, slot_ok[s], qbase, w_img, smem_addr(&empty[s]), out_row,
-                                   t, n, n_live, m0, c, lane);
+            const int s = wait_tile(full, it, per_consumer);
+            const int ok = slot_ok[s];
+            float d[H / 2];
+            load_tile(slots + s * SLOT_BYTES, smem_addr(&empty[s]), m0, c, lane, tr);
+            a_operand<PRECISE>(tr, a, b);
+            mma_issue<H, PRECISE>(d, a, b, desc0);
+            wgmma_wait();
+            fence_operands(d);
+            store_scores<H>(d, w_reg, tr.sc0, tr.sc1, ok, out_row, split + it * splits, n, n_live, m0, c);
         }
     }
     if (fill_width > n) {  // the dense API: -inf from n to fill_width

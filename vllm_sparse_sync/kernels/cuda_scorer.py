@@ -116,6 +116,7 @@ class _Module:
         cu_dev = _check(driver.cuDeviceGet(index), "cuDeviceGet")
         self.ctx = _check(driver.cuDevicePrimaryCtxRetain(cu_dev), "cuDevicePrimaryCtxRetain")
         _check(driver.cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent")
+        self.threads = dict(defines).get("CONSUMERS", CONSUMERS) * 128 + 32  # the build's consumers, its producer
         text = "".join(f"#define {k} {int(v)}\n" for k, v in defines) + source()
         cubin, _ = cuda_topk.compile_source(ARCH, text=text, name="cuda_scorer.cu")
         self.module = _check(driver.cuModuleLoadData(cubin), "cuModuleLoadData")
@@ -179,7 +180,7 @@ def launch_cuda_score(
     fn = mod.function(heads, config.precise, stages)
     values = score_values(q_fp8, weights, k_cache, block_table, row_lens, active, out, page_size=page_size,
                           sel_width=sel_width, fill_width=fill_width, config=config, deep_tiles=deep_tiles)
-    cuda_topk.launch_values(mod, fn, (rows, splits, 1), THREADS, smem_bytes(heads, config.precise, stages),
+    cuda_topk.launch_values(mod, fn, (rows, splits, 1), mod.threads, smem_bytes(heads, config.precise, stages),
                             values, q_fp8.device)
 
 
