@@ -44,7 +44,7 @@ CONSUMERS = 4
 THREADS = CONSUMERS * 128 + 32
 """the consumer warpgroups, then the producer warp that copies pages into the ring"""
 CTAS_PER_SM = 1
-"""CTAs one SM holds (registers: 544 threads of 94 each take more than half of them; the deep
+"""CTAs one SM holds (registers: 544 threads of 91 each take more than half of them; the deep
 ring's shared memory, nearly all); ``scorer.cuda_ctas_per_sm`` sizes the grid"""
 SLOT_BYTES = PAGE * (HEAD_DIM + 4)
 
