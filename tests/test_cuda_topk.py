@@ -305,6 +305,25 @@ def test_plan_cluster_table():
     assert cuda_topk.SMALL_ROW_KEYS == 4 * 4 * 512 and emu.in_registers(cuda_topk.SMALL_ROW_KEYS, 512)
 
 
+H200_SMEM_PER_SM = 233472
+
+
+def test_a_dependent_launch_of_one_wave_holds_one_cta_an_sm():
+    """A PDL launch of at most one CTA an SM asks for enough shared memory that an SM cannot take
+    two (each with the static reserve), within the opt-in; more CTAs than SMs or no PDL: the plan's."""
+    reserve = cuda_topk.STATIC_SMEM_RESERVE
+    for rows, width in [(128, 8192), (1, 4096), (64, 16384), (8, 65536), (132, 4096), (32, 65536)]:
+        plan = cuda_topk.plan_cluster(rows, width, 132, H200_SMEM)
+        smem = cuda_topk.launch_smem(plan, rows, 132, H200_SMEM_PER_SM, pdl=True)
+        assert smem >= plan.smem and smem <= H200_SMEM, (rows, width)
+        assert 2 * (smem + reserve) > H200_SMEM_PER_SM >= smem + reserve, (rows, width)
+        assert cuda_topk.launch_smem(plan, rows, 132, H200_SMEM_PER_SM, pdl=False) == plan.smem
+    for rows, width in [(133, 4096), (1000, 8192), (200, 65536)]:  # past one wave
+        plan = cuda_topk.plan_cluster(rows, width, 132, H200_SMEM)
+        assert rows * plan.cluster > 132
+        assert cuda_topk.launch_smem(plan, rows, 132, H200_SMEM_PER_SM, pdl=True) == plan.smem
+
+
 def test_emulation_is_deterministic_and_storage_blind():
     gen = torch.Generator().manual_seed(0)
     x = torch.randint(0, 3, (3, 5000), generator=gen).float()

@@ -144,6 +144,18 @@ def plan_cluster(rows: int, sel_width: int, sm_count: int, smem_optin: int,
     return ClusterPlan(cluster, cap, cluster_smem_bytes(cap, cluster, threads), threads)
 
 
+def launch_smem(plan: ClusterPlan, rows: int, sm_count: int, smem_per_sm: int, pdl: bool) -> int:
+    """Dynamic shared memory a cluster-route launch of ``plan`` asks for (pure host logic): for a
+    programmatic dependent launch of one wave (``rows x cluster`` CTAs on ``sm_count`` SMs), enough
+    that an SM holds one CTA, so the CTAs launched early wait one an SM on the SMs the previous
+    kernel leaves idle instead of packing there (several on one SM run slower once released:
+    128 rows of 8K, benchmarks/NOTES.md session 16); the plan's otherwise."""
+    if not pdl or rows * plan.cluster > sm_count:
+        return plan.smem
+    lone = smem_per_sm // 2 - STATIC_SMEM_RESERVE + 1  # two CTAs with their reserve no longer fit
+    return max(plan.smem, lone)
+
+
 def _bindings():
     """``(driver, nvrtc)`` from cuda-bindings (>= 12: ``cuda.bindings``; older: ``cuda``)."""
     try:
@@ -272,6 +284,8 @@ class _Module:
         self.smem_set: dict[str, int] = {}
         self.sm_count = torch.cuda.get_device_properties(index).multi_processor_count
         self.smem_optin = cluster_smem_limit(index)
+        per_sm = driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR
+        self.smem_per_sm = int(_check(driver.cuDeviceGetAttribute(per_sm, cu_dev), "cuDeviceGetAttribute"))
         self.cluster_ok = self.smem_optin > 0
         attr = driver.CUlaunchAttribute()
         attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
@@ -440,8 +454,9 @@ def launch_cuda_topk_cluster(
     if rows == 0:
         return plan
     aligned = x.data_ptr() % 16 == 0 and stride_r % 4 == 0
-    fn = mod.function(cluster_kernel_name(plan.cluster, aligned, plan.threads), plan.smem)
-    _launch(mod, fn, (plan.cluster, rows, 1), plan.threads, plan.smem, x, stride_r, row_lens, active,
+    smem = min(launch_smem(plan, rows, mod.sm_count, mod.smem_per_sm, pdl), mod.smem_optin)
+    fn = mod.function(cluster_kernel_name(plan.cluster, aligned, plan.threads), smem)
+    _launch(mod, fn, (plan.cluster, rows, 1), plan.threads, smem, x, stride_r, row_lens, active,
             out, k, sel_width, nan_low, (ctypes.c_int(plan.cap),), pdl=pdl)
     return plan
 
