@@ -1,5 +1,7 @@
 """benchmarks/indexer.py's run arithmetic, on the CPU: ``merge_rounds`` (one shape's rotated
-rounds as one result) and ``spread`` (each shape's ratios across runs of one build)."""
+rounds as one result) and ``spread`` (each shape's ratios across runs of one build); and
+benchmarks/wgmma_rate.py's source (one kernel a form, compiled by NVRTC where it is) and its
+cycle arithmetic."""
 
 from __future__ import annotations
 
@@ -46,3 +48,22 @@ def test_spread_counts_runs_that_met_each_target(indexer):
     assert "1.01 [0.99, 1.02] 1/3 <= 1.0" in indexer.spread_table([row])
     with pytest.raises(ValueError, match="run"):
         indexer.spread([])
+
+
+def test_the_wgmma_rate_source_compiles_one_kernel_a_form():
+    from vllm_sparse_sync.kernels import cuda_scorer, cuda_topk
+
+    sys.path.insert(0, str(PATH.parent))
+    spec = importlib.util.spec_from_file_location("wgmma_rate", PATH.parent / "wgmma_rate.py")
+    rate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rate)
+    assert rate.per_tile(2048000.0, 2000, 4) == (256.0, 1024.0)  # 4 warpgroups: an SM's tile a quarter
+    text = rate.source()
+    names = [f"rate_{name}" for name, *_ in rate.FORMS]
+    assert all(f" {n}(" in text for n in names)
+    ok, why = cuda_topk.compiler_status()
+    if not ok:
+        pytest.skip(f"NVRTC unavailable: {why}")
+    _, log = cuda_topk.compile_source(cuda_scorer.ARCH, text=text, name="wgmma_rate.cu",
+                                      extra_options=("--ptxas-options=-v",))
+    assert sorted(n for n in names if f"entry function '{n}'" in log) == sorted(names)
