@@ -195,7 +195,6 @@ MMA(32, false, "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3", "", D16, 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
-__device__ __forceinline__ void wgmma_wait1() { asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void fence_operands(float (&d)[N]) {  // no read of d moves above a wait
 #pragma unroll
@@ -459,7 +458,7 @@ __device__ __forceinline__ void score_row(
         for (int it = wg; it < my_tiles; it += CONSUMERS) {
             const int s = wait_tile(full, it, per_consumer);
             const int ok = slot_ok[s];
-            float d[H / 2];
+            float d[H / 2];  // not cleared: the first k-step's wgmma does not read it (scale-d 0)
             load_tile(slots + s * SLOT_BYTES, smem_addr(&empty[s]), m0, c, lane, tr);
             a_operand<PRECISE>(tr, a, b);
             mma_issue<H, PRECISE>(d, a, b, desc0);
