@@ -207,8 +207,6 @@ this build a wait longer than 2 s traps, so a deadlocked ring fails here instead
         _check(got, want, precise, [width] * 3)
 
 
-
-
 @pytest.mark.parametrize("heads", [64, 32])
 def test_every_key_byte_scores_as_the_reference(heads):
     """Keys and queries of every e4m3 byte (±0, subnormals, ±448; NaN keys) on the exact path,

@@ -310,18 +310,22 @@ H200_SMEM_PER_SM = 233472
 
 def test_a_dependent_launch_of_one_wave_holds_one_cta_an_sm():
     """A PDL launch of at most one CTA an SM asks for enough shared memory that an SM cannot take
-    two (each with the static reserve), within the opt-in; more CTAs than SMs or no PDL: the plan's."""
+    two (each with the static reserve), never past the opt-in; more CTAs than SMs or no PDL: the
+    plan's."""
     reserve = cuda_topk.STATIC_SMEM_RESERVE
     for rows, width in [(128, 8192), (1, 4096), (64, 16384), (8, 65536), (132, 4096), (32, 65536)]:
         plan = cuda_topk.plan_cluster(rows, width, 132, H200_SMEM)
-        smem = cuda_topk.launch_smem(plan, rows, 132, H200_SMEM_PER_SM, pdl=True)
+        smem = cuda_topk.launch_smem(plan, rows, 132, H200_SMEM_PER_SM, H200_SMEM, pdl=True)
         assert smem >= plan.smem and smem <= H200_SMEM, (rows, width)
         assert 2 * (smem + reserve) > H200_SMEM_PER_SM >= smem + reserve, (rows, width)
-        assert cuda_topk.launch_smem(plan, rows, 132, H200_SMEM_PER_SM, pdl=False) == plan.smem
+        assert cuda_topk.launch_smem(plan, rows, 132, H200_SMEM_PER_SM, H200_SMEM, pdl=False) == plan.smem
     for rows, width in [(133, 4096), (1000, 8192), (200, 65536)]:  # past one wave
         plan = cuda_topk.plan_cluster(rows, width, 132, H200_SMEM)
         assert rows * plan.cluster > 132
-        assert cuda_topk.launch_smem(plan, rows, 132, H200_SMEM_PER_SM, pdl=True) == plan.smem
+        assert cuda_topk.launch_smem(plan, rows, 132, H200_SMEM_PER_SM, H200_SMEM, pdl=True) == plan.smem
+    small = cuda_topk.plan_cluster(128, 8192, 132, H200_SMEM)  # an opt-in below half an SM: at most it
+    optin = small.smem + 4
+    assert cuda_topk.launch_smem(small, 128, 132, H200_SMEM_PER_SM, optin, pdl=True) == optin
 
 
 def test_emulation_is_deterministic_and_storage_blind():

@@ -144,16 +144,18 @@ def plan_cluster(rows: int, sel_width: int, sm_count: int, smem_optin: int,
     return ClusterPlan(cluster, cap, cluster_smem_bytes(cap, cluster, threads), threads)
 
 
-def launch_smem(plan: ClusterPlan, rows: int, sm_count: int, smem_per_sm: int, pdl: bool) -> int:
+def launch_smem(plan: ClusterPlan, rows: int, sm_count: int, smem_per_sm: int, smem_optin: int,
+                pdl: bool) -> int:
     """Dynamic shared memory a cluster-route launch of ``plan`` asks for (pure host logic): for a
     programmatic dependent launch of one wave (``rows x cluster`` CTAs on ``sm_count`` SMs), enough
-    that an SM holds one CTA, so the CTAs launched early wait one an SM on the SMs the previous
-    kernel leaves idle instead of packing there (several on one SM run slower once released:
-    128 rows of 8K, benchmarks/NOTES.md session 16); the plan's otherwise."""
+    that an SM holds one CTA (at most the opt-in ``smem_optin``), so the CTAs launched early wait
+    one an SM on the SMs the previous kernel leaves idle instead of packing there (several on one
+    SM run slower once released: 128 rows of 8K, benchmarks/NOTES.md session 16); the plan's
+    otherwise."""
     if not pdl or rows * plan.cluster > sm_count:
         return plan.smem
     lone = smem_per_sm // 2 - STATIC_SMEM_RESERVE + 1  # two CTAs with their reserve no longer fit
-    return max(plan.smem, lone)
+    return max(plan.smem, min(lone, smem_optin))
 
 
 def _bindings():
@@ -454,7 +456,7 @@ def launch_cuda_topk_cluster(
     if rows == 0:
         return plan
     aligned = x.data_ptr() % 16 == 0 and stride_r % 4 == 0
-    smem = min(launch_smem(plan, rows, mod.sm_count, mod.smem_per_sm, pdl), mod.smem_optin)
+    smem = launch_smem(plan, rows, mod.sm_count, mod.smem_per_sm, mod.smem_optin, pdl)
     fn = mod.function(cluster_kernel_name(plan.cluster, aligned, plan.threads), smem)
     _launch(mod, fn, (plan.cluster, rows, 1), plan.threads, smem, x, stride_r, row_lens, active,
             out, k, sel_width, nan_low, (ctypes.c_int(plan.cap),), pdl=pdl)
