@@ -372,14 +372,14 @@ __device__ __forceinline__ void score_row(
     }
     const int g = lane >> 2, c = lane & 3;
     const float w_mine = tid < H ? w[(i64)row * H + tid] : 0.0f;
+    // min(row_len, sel_width, active[0]): both reads in flight together (without an active
+    // width the second reads the row's length again, which clamps nothing)
+    const bool has_active = active != nullptr;
     i64 n64 = load_int(lens, lens64, row);
+    i64 a = load_int(has_active ? active : lens, has_active ? active64 : lens64, has_active ? 0 : row);
     n64 = n64 < 0 ? 0 : (n64 > sel_width ? sel_width : n64);
-    if (active != nullptr) {
-        i64 a = load_int(active, active64, 0);
-        a = a < 0 ? 0 : a;
-        n64 = n64 > a ? a : n64;
-    }
-    const int n = (int)n64;
+    a = a < 0 ? 0 : a;
+    const int n = (int)(n64 > a ? a : n64);
     const int n_live = n < live_width ? n : live_width;
     const int n_tiles = (n + PAGE - 1) / PAGE;
     const int my_tiles = split < n_tiles ? (n_tiles - split + splits - 1) / splits : 0;

@@ -35,17 +35,20 @@ __device__ __forceinline__ u32 order_key(float x, int nan_low) {
     return u;
 }
 
+// min(row_len, sel_width, active[0]), at least 0. The second read is unconditional (without an
+// active width it reads the row's length again, which clamps nothing), so both are in flight
+// together: a read behind a branch on the first's value would cost a second round trip.
 __device__ __forceinline__ int live_length(const void* lens, int lens64, const void* active,
                                            int active64, int row, int sel_width) {
+    const bool has = active != nullptr;
+    const void* ap = has ? active : lens;
+    const int ai = has ? 0 : row, a64 = has ? active64 : lens64;
     i64 n = lens64 ? ((const i64*)lens)[row] : (i64)((const int*)lens)[row];
+    i64 a = a64 ? ((const i64*)ap)[ai] : (i64)((const int*)ap)[ai];
     n = n < 0 ? 0 : n;
     n = n > (i64)sel_width ? (i64)sel_width : n;
-    if (active != nullptr) {
-        i64 a = active64 ? ((const i64*)active)[0] : (i64)((const int*)active)[0];
-        a = a < 0 ? 0 : a;
-        n = n > a ? a : n;
-    }
-    return (int)n;
+    a = a < 0 ? 0 : a;
+    return (int)(n > a ? a : n);
 }
 
 // Keys of one tile slice of a warp: element (j, c) of lane `lane` is position
