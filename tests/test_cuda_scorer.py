@@ -101,18 +101,29 @@ def test_the_planner_takes_the_cuda_scorer_where_the_device_can():
     assert plan_route(7, 4096, 64, hopper).scorer == TRITON  # fewer rows than scorer.cuda_min_rows
     assert plan_route(7, 4096, 64, hopper).score_splits == 132 * DEFAULT_CONFIG.scorer.ctas_per_sm // 7
     every = DEFAULT_CONFIG.with_values(**{"scorer.cuda_min_rows": 0})
-    assert plan_route(1, 4096, 64, hopper, every).scorer == CUDA
+    assert plan_route(2, 1024, 64, hopper, every).scorer == CUDA
     # fewer rows take it from a bound of scorer.cuda_min_width up (0: never by width)
     wide = DEFAULT_CONFIG.scorer.cuda_min_width
-    assert plan_route(1, wide, 64, hopper).scorer == CUDA
+    assert plan_route(2, wide, 64, hopper).scorer == CUDA
     assert plan_route(7, 131072, 64, hopper).scorer == CUDA
     assert plan_route(1, 131072, 64, hopper).score_splits == 132 * DEFAULT_CONFIG.scorer.cuda_ctas_per_sm
-    assert plan_route(1, wide - 1, 64, hopper).scorer == TRITON
-    by_rows = DEFAULT_CONFIG.with_values(**{"scorer.cuda_min_width": 0})
+    assert plan_route(2, wide - 1, 64, hopper).scorer == TRITON
+    # one row from scorer.cuda_one_row_min_width up (0: only from cuda_min_width)
+    one = DEFAULT_CONFIG.scorer.cuda_one_row_min_width
+    assert 0 < one < wide
+    assert plan_route(1, one, 64, hopper).scorer == CUDA
+    assert plan_route(1, one, 64, hopper).score_splits == 132 * DEFAULT_CONFIG.scorer.cuda_ctas_per_sm
+    assert plan_route(1, one - 1, 64, hopper).scorer == TRITON
+    assert plan_route(2, one, 64, hopper).scorer == TRITON
+    by_wide = DEFAULT_CONFIG.with_values(**{"scorer.cuda_one_row_min_width": 0})
+    assert plan_route(1, one, 64, hopper, by_wide).scorer == TRITON
+    assert plan_route(1, wide, 64, hopper, by_wide).scorer == CUDA
+    by_rows = by_wide.with_values(**{"scorer.cuda_min_width": 0})
     assert plan_route(1, 131072, 64, hopper, by_rows).scorer == TRITON
     assert plan_route(8, 4096, 64, hopper, by_rows).scorer == CUDA
-    with pytest.raises(ValueError, match="cuda_min_width"):
-        DEFAULT_CONFIG.with_values(**{"scorer.cuda_min_width": -1})
+    for name in ("cuda_min_width", "cuda_one_row_min_width"):
+        with pytest.raises(ValueError, match=name):
+            DEFAULT_CONFIG.with_values(**{f"scorer.{name}": -1})
     assert plan_route(64, 65536, 32, hopper).scorer == TRITON  # pages of another size
     assert plan_route(64, 65536, 64, DeviceInfo(num_sms=132)).scorer == TRITON
     off = DEFAULT_CONFIG.with_values(**{"scorer.cuda": False})

@@ -50,11 +50,15 @@ class ScorerConfig:
     Triton (the e4m3 path always is). ``tile``, ``warps`` and ``stages`` are the Triton kernel's."""
     cuda_min_rows: int = 8
     """Calls of fewer rows take Triton's exact scorer unless their width bound reaches
-    ``cuda_min_width`` (benchmarks/NOTES.md, session 14: one 4K row is faster on Triton, one row
-    of 64K or 128K on the CUDA kernel)."""
+    ``cuda_min_width`` (or, for one row, ``cuda_one_row_min_width``)."""
     cuda_min_width: int = 32768
     """The width bound from which calls of any row count take the CUDA exact scorer (0: never by
-    width)."""
+    width). Below it, 2-4 rows of 8K-16K measured slightly faster on Triton (benchmarks/NOTES.md,
+    run 90)."""
+    cuda_one_row_min_width: int = 4096
+    """The width bound from which a one-row call takes the CUDA exact scorer (0: only from
+    ``cuda_min_width``): one row of 4K-16K scores as fast or faster there (benchmarks/NOTES.md,
+    runs 90, 93 and 94)."""
     cuda_ctas_per_sm: int = 1
     """The CUDA scorer's programs per SM, split over the call's rows (one CTA of its kernel holds
     more than half an SM's registers)."""
@@ -76,6 +80,9 @@ class ScorerConfig:
         if not _is_int(self.cuda_min_width) or self.cuda_min_width < 0:
             raise ValueError(f"scorer.cuda_min_width: an int >= 0 (0: never by width), "
                              f"got {self.cuda_min_width!r}")
+        if not _is_int(self.cuda_one_row_min_width) or self.cuda_one_row_min_width < 0:
+            raise ValueError(f"scorer.cuda_one_row_min_width: an int >= 0 (0: only from cuda_min_width), "
+                             f"got {self.cuda_one_row_min_width!r}")
         _flag("scorer.precise", self.precise)
 
 

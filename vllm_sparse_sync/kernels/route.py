@@ -108,12 +108,14 @@ def score_splits(rows: int, num_sms: int, config: KernelConfig = DEFAULT_CONFIG,
 def scorer_for(rows: int, page: int, device: DeviceInfo, config: KernelConfig = DEFAULT_CONFIG,
                width: int = 0) -> str:
     """The unfused scorer kernel of a call of ``rows`` rows and width bound ``width``: ``CUDA``
-    for the exact path (``scorer.precise``) from ``scorer.cuda_min_rows`` rows or a bound of
-    ``scorer.cuda_min_width`` up, where the device can run it, ``scorer.cuda`` asks for it and
-    pages are 64 tokens (the kernel's tile); else ``TRITON`` (also for the e4m3 path, where
-    Triton's kernel measured faster: benchmarks/NOTES.md, runs 63-65)."""
+    for the exact path (``scorer.precise``) from ``scorer.cuda_min_rows`` rows, a bound of
+    ``scorer.cuda_min_width`` or one row of ``scorer.cuda_one_row_min_width`` up, where the device
+    can run it, ``scorer.cuda`` asks for it and pages are 64 tokens (the kernel's tile); else
+    ``TRITON`` (also for the e4m3 path, where Triton's kernel measured faster:
+    benchmarks/NOTES.md, runs 63-65)."""
     sc = config.scorer
-    big = rows >= sc.cuda_min_rows or (0 < sc.cuda_min_width <= width)
+    big = (rows >= sc.cuda_min_rows or (0 < sc.cuda_min_width <= width)
+           or (rows == 1 and 0 < sc.cuda_one_row_min_width <= width))
     ok = device.cuda_scorer and sc.cuda and sc.precise and page == 64 and big
     return CUDA if ok else TRITON
 
