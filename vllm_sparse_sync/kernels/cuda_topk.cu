@@ -751,10 +751,10 @@ __device__ __forceinline__ void block_excl_scan2(u32& a, u32& b, u32* s_scan, u3
     }
     block_bar<THREADS, BAR>();
     const u32 wa = lane < WARPS ? s_scan[lane] : 0u, wb = lane < WARPS ? s_scan[WARPS + lane] : 0u;
-    const u32 sa = warp_incl_scan(wa, lane), sb = warp_incl_scan(wb, lane);
-    ta = __shfl_sync(FULL_MASK, sa, 31);
-    tb = __shfl_sync(FULL_MASK, sb, 31);
-    const u32 ba = __shfl_sync(FULL_MASK, sa - wa, warp), bb = __shfl_sync(FULL_MASK, sb - wb, warp);
+    ta = __reduce_add_sync(FULL_MASK, wa);
+    tb = __reduce_add_sync(FULL_MASK, wb);
+    const u32 ba = __reduce_add_sync(FULL_MASK, lane < warp ? wa : 0u);  // the warps before this one
+    const u32 bb = __reduce_add_sync(FULL_MASK, lane < warp ? wb : 0u);
     a = ba + ia - a;
     b = bb + ib - b;
 }
@@ -1115,9 +1115,8 @@ __device__ __forceinline__ void reg_packed_scan(const u32 (&v)[W], int nw, u32 (
         total[w] = 0u;
         if (w < nw) {
             const u32 t = lane < WARPS ? s_scan[w * WARPS + lane] : 0u;
-            const u32 s = warp_incl_scan(t, lane);
-            excl[w] = __shfl_sync(FULL_MASK, s - t, warp) + incl[w] - v[w];
-            total[w] = __shfl_sync(FULL_MASK, s, 31);
+            excl[w] = __reduce_add_sync(FULL_MASK, lane < warp ? t : 0u) + incl[w] - v[w];  // warps before
+            total[w] = __reduce_add_sync(FULL_MASK, t);
         }
     }
 }
