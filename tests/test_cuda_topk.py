@@ -370,6 +370,21 @@ NVRTC_OK, NVRTC_WHY = cuda_topk.compiler_status()
 
 
 @pytest.mark.skipif(not NVRTC_OK, reason=f"NVRTC unavailable: {NVRTC_WHY}")
+@pytest.mark.parametrize("arch", ["sm_70", "sm_75", "sm_80"])
+def test_kernel_source_compiles_before_sm90(arch):
+    """The one-CTA kernels serve every device from ``MIN_CAPABILITY`` up, so the source compiles
+    for the archs before Hopper too (sm_70 and sm_75 have no warp redux), the cluster kernels
+    compiled out."""
+    assert cuda_topk.MIN_CAPABILITY <= (int(arch[3]), int(arch[4]))
+    code, _ = cuda_topk.compile_source(arch, output="ptx")
+    text = code.decode(errors="replace")
+    for threads, vec in cuda_topk.VARIANTS:
+        for aligned in (True, False):
+            assert f".entry {cuda_topk.kernel_name(threads, vec, aligned)}" in text
+    assert ".reqnctapercluster" not in text
+
+
+@pytest.mark.skipif(not NVRTC_OK, reason=f"NVRTC unavailable: {NVRTC_WHY}")
 @pytest.mark.parametrize("output", ["ptx", "cubin"])
 def test_kernel_source_compiles_for_sm90(output):
     code, log = cuda_topk.compile_source("sm_90", output=output, extra_options=("--ptxas-options=-v",))

@@ -84,6 +84,17 @@ __device__ __forceinline__ void block_bar() {
     }
 }
 
+// the sum of v over the warp's 32 lanes, in every lane: redux on sm_80+, shuffles before
+__device__ __forceinline__ u32 warp_sum(u32 v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
+    return v;
+#else
+    return __reduce_add_sync(FULL_MASK, v);
+#endif
+}
+
 __device__ __forceinline__ u32 warp_incl_scan(u32 v, int lane) {
 #pragma unroll
     for (int o = 1; o < 32; o <<= 1) {
@@ -134,12 +145,12 @@ __device__ __forceinline__ void find_bin(const u32* hist, int nbins, u32 need, u
             h[4] = q1.w, h[5] = q1.z, h[6] = q1.y, h[7] = q1.x;
         }
         const u32 local = ((h[0] + h[1]) + (h[2] + h[3])) + ((h[4] + h[5]) + (h[6] + h[7]));
-        const u32 wsum = __reduce_add_sync(FULL_MASK, local);
+        const u32 wsum = warp_sum(local);
         __syncwarp();  // every lane of this warp has read s_warp in an earlier call
         if (lane == 0) s_warp[warp] = wsum;
         block_bar<THREADS, BAR>();
         const u32 t = lane < WARPS ? s_warp[lane] : 0u;
-        const u32 base = __reduce_add_sync(FULL_MASK, lane < warp ? t : 0u);  // the warps above this one
+        const u32 base = warp_sum(lane < warp ? t : 0u);  // the warps above this one
         if (base < need && base + wsum >= need) {  // warp-uniform: this warp holds the need-th
             const u32 excl = base + warp_incl_scan(local, lane) - local;
             if (excl < need && excl + local >= need) {
@@ -663,7 +674,7 @@ __device__ __forceinline__ void cl_find_bin(const u32* hist, u32* glob, u32* rng
     for (int b = tid; b < nbins; b += THREADS) {  // warp-uniform
         const u32 v = hist[b], r = (u32)(b >> rbits);
         if (v != 0u) cl_add(glob + b, r, v);
-        const u32 w = __reduce_add_sync(FULL_MASK, v);
+        const u32 w = warp_sum(v);
         if (lane == 0 && w != 0u) atomicAdd(&rng[r], w);
     }
     __syncthreads();
@@ -751,10 +762,10 @@ __device__ __forceinline__ void block_excl_scan2(u32& a, u32& b, u32* s_scan, u3
     }
     block_bar<THREADS, BAR>();
     const u32 wa = lane < WARPS ? s_scan[lane] : 0u, wb = lane < WARPS ? s_scan[WARPS + lane] : 0u;
-    ta = __reduce_add_sync(FULL_MASK, wa);
-    tb = __reduce_add_sync(FULL_MASK, wb);
-    const u32 ba = __reduce_add_sync(FULL_MASK, lane < warp ? wa : 0u);  // the warps before this one
-    const u32 bb = __reduce_add_sync(FULL_MASK, lane < warp ? wb : 0u);
+    ta = warp_sum(wa);
+    tb = warp_sum(wb);
+    const u32 ba = warp_sum(lane < warp ? wa : 0u);  // the warps before this one
+    const u32 bb = warp_sum(lane < warp ? wb : 0u);
     a = ba + ia - a;
     b = bb + ib - b;
 }
@@ -1115,8 +1126,8 @@ __device__ __forceinline__ void reg_packed_scan(const u32 (&v)[W], int nw, u32 (
         total[w] = 0u;
         if (w < nw) {
             const u32 t = lane < WARPS ? s_scan[w * WARPS + lane] : 0u;
-            excl[w] = __reduce_add_sync(FULL_MASK, lane < warp ? t : 0u) + incl[w] - v[w];  // warps before
-            total[w] = __reduce_add_sync(FULL_MASK, t);
+            excl[w] = warp_sum(lane < warp ? t : 0u) + incl[w] - v[w];  // warps before
+            total[w] = warp_sum(t);
         }
     }
 }
