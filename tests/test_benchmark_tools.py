@@ -1,7 +1,7 @@
 """benchmarks/indexer.py's run arithmetic, on the CPU: ``merge_rounds`` (one shape's rotated
 rounds as one result) and ``spread`` (each shape's ratios across runs of one build); and
 benchmarks/wgmma_rate.py's source (one kernel a form, compiled by NVRTC where it is) and its
-cycle arithmetic."""
+cycle arithmetic; benchmarks/wide_bound.py's arguments and table."""
 
 from __future__ import annotations
 
@@ -67,3 +67,28 @@ def test_the_wgmma_rate_source_compiles_one_kernel_a_form():
     _, log = cuda_topk.compile_source(cuda_scorer.ARCH, text=text, name="wgmma_rate.cu",
                                       extra_options=("--ptxas-options=-v",))
     assert sorted(n for n in names if f"entry function '{n}'" in log) == sorted(names)
+
+
+@pytest.fixture(scope="module")
+def wide_bound():
+    path = PATH.parent / "wide_bound.py"
+    spec = importlib.util.spec_from_file_location("wide_bound_bench", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_wide_bound_takes_lengths_and_tables_each_columns_fastest_repeat(wide_bound):
+    a = wide_bound.parse_args(["--lengths", "4096,16384", "--copies", "4"])
+    assert a.lengths == [4096, 16384] and a.copies == 4
+    for bad in (["--lengths", "4k"], ["--lengths", "0"], ["--lengths", "262144"], ["--copies", "0"]):
+        with pytest.raises(SystemExit):
+            wide_bound.parse_args(bad)
+    row = dict(L=4096, step_exact_0=7.9, step_exact_1=7.7, topk_exact=4.4)
+    lines = wide_bound.table([row]).splitlines()
+    cols = lines[0].strip("| ").split(" | ")
+    cells = lines[2].strip("| ").split(" | ")
+    assert cols[0] == "L" and cols[1:] == list(wide_bound.COLUMNS) and len(cells) == len(cols)
+    got = dict(zip(cols, cells))
+    assert got["L"] == "4096" and got["step_exact"] == "7.70" and got["topk_exact"] == "4.40"
+    assert got["step_wide_host"] == "-"  # not measured
