@@ -85,7 +85,7 @@ def _check(got, want, precise, n_written):
             scale = float(w[fin].abs().max())
             atol = 1e-3 + 1e-5 * scale if precise else 4e-3 * scale
             torch.testing.assert_close(g[fin], w[fin], rtol=1e-4 if precise else 2e-2, atol=atol,
-                                       msg=lambda m: f"row {r}: {m}")
+                                       msg=lambda m, r=r: f"row {r}: {m}")
         assert bool((got[r, n_written[r]:] == 7.0).all()), f"row {r}: written past {n_written[r]}"
 
 

@@ -149,7 +149,8 @@ def _listed_rows(n=40000):
     g = torch.Generator().manual_seed(5)
     rows = []
     for big, tail in [(K - 2, [1.01, 1.0, 1.01, 1.01]),
-                      (K - 16, [1.0 + j * 0.004 for j in range(40)] + [1.1 + d * 2**-23 for d in (3, 1, 3, 2)])]:
+                      (K - 16, [1.0 + j * 0.004 for j in range(40)]
+                       + [1.1 + d * 2**-23 for d in (3, 1, 3, 2)])]:
         x = -1.0 - torch.rand(n, generator=g)  # below every selected key
         pos = torch.randperm(n, generator=g)
         x[pos[:big]] = 100.0 + torch.arange(big, dtype=torch.float32)

@@ -297,7 +297,8 @@ def test_capture_write_index_k_cache():
 
 
 @pytest.mark.parametrize(
-    "variant", [{"scorer.precise": False}, {"scorer.cuda": False}, {"scorer.cuda": False, "scorer.precise": False},
+    "variant", [{"scorer.precise": False}, {"scorer.cuda": False},
+                {"scorer.cuda": False, "scorer.precise": False},
                 {"scorer.cuda": False, "scorer.tile": 32}, {"scorer.cuda": False, "scorer.stages": 2},
                 {"scorer.cuda": False, "scorer.tile": 128, "topk.block": 512},
                 {"scorer.cuda": False, "scorer.launch_dependents": False}, {"topk.algo": "sample"},

@@ -116,7 +116,8 @@ class _Module:
         cu_dev = _check(driver.cuDeviceGet(index), "cuDeviceGet")
         self.ctx = _check(driver.cuDevicePrimaryCtxRetain(cu_dev), "cuDevicePrimaryCtxRetain")
         _check(driver.cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent")
-        self.threads = dict(defines).get("CONSUMERS", CONSUMERS) * 128 + 32  # the build's consumers, its producer
+        # the build's consumer warpgroups and its producer warp
+        self.threads = dict(defines).get("CONSUMERS", CONSUMERS) * 128 + 32
         text = "".join(f"#define {k} {int(v)}\n" for k, v in defines) + source()
         cubin, _ = cuda_topk.compile_source(ARCH, text=text, name="cuda_scorer.cu")
         self.module = _check(driver.cuModuleLoadData(cubin), "cuModuleLoadData")
@@ -127,7 +128,8 @@ class _Module:
         fn = self.functions.get(name)
         if fn is None:
             _check = cuda_topk._check
-            fn = _check(self.driver.cuModuleGetFunction(self.module, name.encode()), f"cuModuleGetFunction({name})")
+            fn = _check(self.driver.cuModuleGetFunction(self.module, name.encode()),
+                        f"cuModuleGetFunction({name})")
             attr = self.driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
             _check(self.driver.cuFuncSetAttribute(fn, attr, smem_bytes(heads, precise, stages)),
                    "cuFuncSetAttribute(max dynamic smem)")
@@ -180,8 +182,8 @@ def launch_cuda_score(
     fn = mod.function(heads, config.precise, stages)
     values = score_values(q_fp8, weights, k_cache, block_table, row_lens, active, out, page_size=page_size,
                           sel_width=sel_width, fill_width=fill_width, config=config, deep_tiles=deep_tiles)
-    cuda_topk.launch_values(mod, fn, (rows, splits, 1), mod.threads, smem_bytes(heads, config.precise, stages),
-                            values, q_fp8.device)
+    smem = smem_bytes(heads, config.precise, stages)
+    cuda_topk.launch_values(mod, fn, (rows, splits, 1), mod.threads, smem, values, q_fp8.device)
 
 
 

@@ -209,7 +209,8 @@ def cluster_smem_limit(index: int) -> int:
     _check(driver.cuInit(0), "cuInit")
     cu_dev = _check(driver.cuDeviceGet(index), "cuDeviceGet")
     attr = driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN
-    return int(_check(driver.cuDeviceGetAttribute(attr, cu_dev), "cuDeviceGetAttribute")) - STATIC_SMEM_RESERVE
+    optin = int(_check(driver.cuDeviceGetAttribute(attr, cu_dev), "cuDeviceGetAttribute"))
+    return optin - STATIC_SMEM_RESERVE
 
 
 class CompileError(RuntimeError):
@@ -452,7 +453,8 @@ def launch_cuda_topk_cluster(
     if cap is not None:
         if cap < 4 or cap % 4 or cap > plan.cap:
             raise ValueError(f"cuda top-k: cap must be a multiple of 4 in [4, {plan.cap}], got {cap}")
-        plan = ClusterPlan(plan.cluster, cap, cluster_smem_bytes(cap, plan.cluster, plan.threads), plan.threads)
+        plan_smem = cluster_smem_bytes(cap, plan.cluster, plan.threads)
+        plan = ClusterPlan(plan.cluster, cap, plan_smem, plan.threads)
     if rows == 0:
         return plan
     aligned = x.data_ptr() % 16 == 0 and stride_r % 4 == 0

@@ -12,9 +12,9 @@ import torch
 from . import reference as ref
 from .config import DEFAULT_CONFIG, KernelConfig
 from .route import CUDA_RADIX, SAMPLE, Route, score_splits
+from .scorer import launch_score, scorer_kind
 from .triton_cache import write_k_cache_kernel
 from .triton_fused import launch_fused_step
-from .scorer import launch_score, scorer_kind
 from .triton_topk import launch_radix_topk
 from .triton_topk_sample import launch_sample_topk
 from .workspace import IndexerTopkWorkspace

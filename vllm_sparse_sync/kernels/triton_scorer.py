@@ -176,7 +176,7 @@ def can_launch_dependents(device: torch.device) -> bool:
     return _sm90_or_later(device.index if device.index is not None else torch.cuda.current_device())
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sm90_or_later(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
