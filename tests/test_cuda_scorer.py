@@ -155,6 +155,7 @@ def test_the_ctas_of_the_grid_fit_one_sm():
     assert f"#define STAGES_DEEP {cuda_scorer.STAGES_DEEP} " in cuda_scorer.source()
     assert f"#define STAGES_SHORT {cuda_scorer.STAGES_SHORT} " in cuda_scorer.source()
     assert cuda_scorer.THREADS == 128 * cuda_scorer.CONSUMERS + 32
+    assert cuda_scorer.threads_for(3) == 416  # a variant build of 3 consumers: its own launch
     for heads in cuda_scorer.HEADS:
         for precise in (True, False):
             for stages in (cuda_scorer.STAGES_DEEP, cuda_scorer.STAGES_SHORT):

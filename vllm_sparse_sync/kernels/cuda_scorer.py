@@ -41,8 +41,16 @@ NEVER_DEEP = 2**31 - 1
 """the kernel's ``deep_tiles`` where no program is to run the deep ring"""
 CONSUMERS = 4
 """consumer warpgroups per CTA (the source's ``CONSUMERS``), each scoring every CONSUMERS-th tile"""
-THREADS = CONSUMERS * 128 + 32
-"""the consumer warpgroups, then the producer warp that copies pages into the ring"""
+
+
+def threads_for(consumers: int) -> int:
+    """A CTA's threads: ``consumers`` warpgroups, then the producer warp that copies pages into
+    the ring."""
+    return consumers * 128 + 32
+
+
+THREADS = threads_for(CONSUMERS)
+"""the default build's threads"""
 CTAS_PER_SM = 1
 """CTAs one SM holds (registers: 544 threads of 91 each take more than half of them; the deep
 ring's shared memory, nearly all); ``scorer.cuda_ctas_per_sm`` sizes the grid"""
@@ -116,8 +124,7 @@ class _Module:
         cu_dev = _check(driver.cuDeviceGet(index), "cuDeviceGet")
         self.ctx = _check(driver.cuDevicePrimaryCtxRetain(cu_dev), "cuDevicePrimaryCtxRetain")
         _check(driver.cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent")
-        # the build's consumer warpgroups and its producer warp
-        self.threads = dict(defines).get("CONSUMERS", CONSUMERS) * 128 + 32
+        self.threads = threads_for(dict(defines).get("CONSUMERS", CONSUMERS))
         text = "".join(f"#define {k} {int(v)}\n" for k, v in defines) + source()
         cubin, _ = cuda_topk.compile_source(ARCH, text=text, name="cuda_scorer.cu")
         self.module = _check(driver.cuModuleLoadData(cubin), "cuModuleLoadData")
@@ -184,7 +191,6 @@ def launch_cuda_score(
                           sel_width=sel_width, fill_width=fill_width, config=config, deep_tiles=deep_tiles)
     smem = smem_bytes(heads, config.precise, stages)
     cuda_topk.launch_values(mod, fn, (rows, splits, 1), mod.threads, smem, values, q_fp8.device)
-
 
 
 def score_values(q_fp8, weights, k_cache, block_table, row_lens, active, out, *, page_size, sel_width,
