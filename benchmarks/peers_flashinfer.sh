@@ -10,7 +10,9 @@
 # Run from the repository root on a machine with network access.
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
-grep -qx '/.peers_fi/' .git/info/exclude 2>/dev/null || echo '/.peers_fi/' >> .git/info/exclude
+exclude=$(git rev-parse --git-path info/exclude)  # (a fresh clone may lack .git/info/)
+mkdir -p "$(dirname "$exclude")"
+grep -qx '/.peers_fi/' "$exclude" 2>/dev/null || echo '/.peers_fi/' >> "$exclude"
 version=${FLASHINFER_VERSION:-0.7.4}
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT

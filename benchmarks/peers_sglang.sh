@@ -8,7 +8,9 @@
 # the one Triton's wheel carries). Run from the repository root on a machine with network access.
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
-grep -qx '/.peers_sgl/' .git/info/exclude 2>/dev/null || echo '/.peers_sgl/' >> .git/info/exclude
+exclude=$(git rev-parse --git-path info/exclude)  # (a fresh clone may lack .git/info/)
+mkdir -p "$(dirname "$exclude")"
+grep -qx '/.peers_sgl/' "$exclude" 2>/dev/null || echo '/.peers_sgl/' >> "$exclude"
 version=${SGL_KERNEL_VERSION:-0.3.21}
 cuobjdump=${CUOBJDUMP:-$(python3 -c 'import os, triton; print(os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump"))')}
 tmp=$(mktemp -d)
