@@ -411,7 +411,8 @@ def test_model_matches_the_kernel_source():
         "mbar_init(smem_addr(&full[s]), 1);",
         "mbar_init(smem_addr(&empty[s]), 4);",
         "if (lane == 0) mbar_arrive(",  # one empty arrival per warp
-        "for (int base = 0; base < my_tiles; base += ISSUE_LANES) {",
+        "issue(0); }",  # the first tiles, before the CTA barrier; then the rest in order
+        "for (int base = ISSUE_LANES; base < my_tiles; base += ISSUE_LANES) issue(base);",
         "for (int it = wg; it < my_tiles; it += CONSUMERS) {",
         "mbarrier.try_wait.parity.shared::cta.b64",
     ]:

@@ -13,8 +13,8 @@
 //             (see "rings" below) with the bulk copy
 //             engine (cp.async.bulk, completion on the slot's full mbarrier), as far ahead as
 //             the ring allows; a slot is refilled once the four warps that read it have arrived
-//             on its empty mbarrier. The producer fetches the page ids 32 tiles ahead. Past the
-//             first barrier no warp waits for the CTA.
+//             on its empty mbarrier. The producer fetches the page ids 32 tiles ahead and issues
+//             the first tiles before the CTA's one barrier. Past it no warp waits for the CTA.
 //   rings     a kernel holds STAGES slots (STAGES_SHORT or STAGES_DEEP); a program runs all of
 //             them where it has at least deep_tiles live tiles (from the device length, so the
 //             host bound does not choose), else the first STAGES_SHORT: a deep ring measured
@@ -390,12 +390,51 @@ __device__ __forceinline__ void score_row(
     constexpr int SHORT = STAGES < STAGES_SHORT ? STAGES : STAGES_SHORT;
     const int per_consumer = (my_tiles >= deep_tiles ? STAGES : SHORT) / CONSUMERS;
 
-    if (tid == 0) {
-        for (int s = 0; s < STAGES; ++s) {
-            mbar_init(smem_addr(&full[s]), 1);
-            mbar_init(smem_addr(&empty[s]), 4);  // one arrival per warp of the consuming warpgroup
+    // tile `it` into slot slot_of(it, per_consumer) once the warpgroup that read the slot's previous
+    // tile has arrived on its empty barrier (the page id comes by shuffle from lane it % 32); the
+    // producer's lanes 0 .. ISSUE_LANES - 1 issue the tiles base .. base + ISSUE_LANES - 1
+    auto issue = [&](int base) {
+        if (base > 0 && base % 32 == 0) {  // the next 32 page ids, and a load of the 32 after them
+            pages_now = pages_next;
+            const int t = split + (base + 32 + lane) * splits;
+            pages_next = (base + 32 < my_tiles && t < width_tiles) ? (int)load_int(bt_row, bt64, t) : -1;
         }
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        const int it = base + lane;  // lanes 0 .. ISSUE_LANES - 1 issue one tile each
+        const int page = __shfl_sync(0xffffffffu, pages_now, it % 32);
+        if (lane < ISSUE_LANES && it < my_tiles) {
+            const int j = it / CONSUMERS;  // the consumer's own tile count, and its slot's use
+            const int s = slot_of(it, per_consumer);
+            stress_pause(it, 1);
+            if (j >= per_consumer) mbar_wait(smem_addr(&empty[s]), ((j / per_consumer) - 1) & 1);
+            const int t = split + it * splits;
+            const bool ok = t * PAGE < n_live && page >= 0 && page < num_pages;
+            slot_ok[s] = ok ? 1 : 0;
+            const u32 bar = smem_addr(&full[s]);
+            if (ok) {
+#if PROXY_FENCE
+                asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the slot's reads -> the copy
+#endif
+                mbar_expect_tx(bar, SLOT_BYTES);
+                bulk_copy(smem_addr(slots + s * SLOT_BYTES), kc + (i64)page * page_stride, SLOT_BYTES, bar);
+            } else {
+                mbar_arrive(bar);
+            }
+        }
+        __syncwarp();
+    };
+    // the producer initializes the barriers and issues the first tiles' copies before the CTA
+    // barrier: they are in flight while the consumers write the query image (the slots, barriers
+    // and validity flags are the producer's alone until that barrier)
+    if (producer) {
+        if (lane == 0) {
+            for (int s = 0; s < STAGES; ++s) {
+                mbar_init(smem_addr(&full[s]), 1);
+                mbar_init(smem_addr(&empty[s]), 4);  // one arrival per warp of the consuming warpgroup
+            }
+            asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        }
+        __syncwarp();  // the barriers initialized before any lane's copy
+        issue(0);
     }
     // the query as the B operand image
 #pragma unroll
@@ -409,41 +448,11 @@ __device__ __forceinline__ void score_row(
     __syncthreads();  // the only CTA barrier: barriers initialized, the query image written
 
     if (producer) {
-        // tile `it` into slot slot_of(it, per_consumer) once the warpgroup that read the slot's previous tile
-        // has arrived on its empty barrier (the page id comes by shuffle from lane it % 32)
         {
             const int t = split + (32 + lane) * splits;
             if (32 < my_tiles && t < width_tiles) pages_next = (int)load_int(bt_row, bt64, t);
         }
-        for (int base = 0; base < my_tiles; base += ISSUE_LANES) {
-            if (base > 0 && base % 32 == 0) {  // the next 32 page ids, and a load of the 32 after them
-                pages_now = pages_next;
-                const int t = split + (base + 32 + lane) * splits;
-                pages_next = (base + 32 < my_tiles && t < width_tiles) ? (int)load_int(bt_row, bt64, t) : -1;
-            }
-            const int it = base + lane;  // lanes 0 .. ISSUE_LANES - 1 issue one tile each
-            const int page = __shfl_sync(0xffffffffu, pages_now, it % 32);
-            if (lane < ISSUE_LANES && it < my_tiles) {
-                const int j = it / CONSUMERS;  // the consumer's own tile count, and its slot's use
-                const int s = slot_of(it, per_consumer);
-                stress_pause(it, 1);
-                if (j >= per_consumer) mbar_wait(smem_addr(&empty[s]), ((j / per_consumer) - 1) & 1);
-                const int t = split + it * splits;
-                const bool ok = t * PAGE < n_live && page >= 0 && page < num_pages;
-                slot_ok[s] = ok ? 1 : 0;
-                const u32 bar = smem_addr(&full[s]);
-                if (ok) {
-#if PROXY_FENCE
-                    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the slot's reads -> the copy
-#endif
-                    mbar_expect_tx(bar, SLOT_BYTES);
-                    bulk_copy(smem_addr(slots + s * SLOT_BYTES), kc + (i64)page * page_stride, SLOT_BYTES, bar);
-                } else {
-                    mbar_arrive(bar);
-                }
-            }
-            __syncwarp();
-        }
+        for (int base = ISSUE_LANES; base < my_tiles; base += ISSUE_LANES) issue(base);
     } else {
         // consumer warpgroup wg scores tiles wg, wg + CONSUMERS, ... of this program
         const int wg = warp >> 2;
