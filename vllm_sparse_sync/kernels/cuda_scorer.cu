@@ -434,6 +434,9 @@ __device__ __forceinline__ void score_row(
             asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
         }
         __syncwarp();  // the barriers initialized before any lane's copy
+        // tiles 0 .. ISSUE_LANES - 1 are each consumer's first use of a slot (ISSUE_LANES is at
+        // most the short ring, asserted above), so none waits on an empty barrier: a wait here,
+        // before the consumers pass the CTA barrier, would never end
         issue(0);
     }
     // the query as the B operand image
