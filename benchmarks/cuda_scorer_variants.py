@@ -10,7 +10,8 @@ follows its source: a source with a producer warp (``PRODUCER_WARP``) runs ``128
 32`` threads, one CTA an SM, the kernel of ring ``STAGES`` (one the source instantiates) with
 ``deep_tiles`` DEEP_TILES (a program of that many live tiles runs every slot, else the short
 ring's; ``@STAGES`` alone: 0, every slot; no ``@``: the source's ``STAGES_SHORT`` ring; the
-pseudo-macro ``SMEM_PAD=N`` launches with N more bytes of dynamic shared memory than it uses);
+pseudo-macro ``SMEM_PAD=N`` launches with N more bytes of dynamic shared memory than it uses,
+``CTAS_PER_SM=N`` sizes its grid for N CTAs an SM: ``N * SMs // B`` programs a row);
 an older one-warpgroup source runs 128 threads, ``CTAS_PER_SM`` CTAs an SM. ``--fp8``: the e4m3
 tensor-core path instead of the exact one; ``--triton``: the Triton scorer of the same path
 beside them, at the planner's Triton split count. Every variant's scores are compared with the
@@ -103,7 +104,7 @@ def geometry(text: str, v: Variant, heads: int, precise: bool = True) -> tuple[s
         stages = launch_ring(v)[0] or source_macro(text, "STAGES_SHORT", v.defines)
         consumers = source_macro(text, "CONSUMERS", v.defines)
         smem = cuda_scorer.smem_bytes(heads, precise, stages) + v.defines.get("SMEM_PAD", 0)
-        return f"{base}_s{stages}", 128 * consumers + 32, smem, 1
+        return f"{base}_s{stages}", 128 * consumers + 32, smem, v.defines.get("CTAS_PER_SM", 1)
     stages = source_macro(text, "STAGES", v.defines)
     if stages is None or v.stages not in (None, stages):
         raise ValueError(f"variant {v.name}: a one-warpgroup source runs its STAGES ring only")

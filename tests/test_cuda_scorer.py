@@ -171,8 +171,13 @@ NVRTC_OK, NVRTC_WHY = cuda_topk.compiler_status()
 
 
 @pytest.mark.skipif(not NVRTC_OK, reason=f"NVRTC unavailable: {NVRTC_WHY}")
-def test_the_source_compiles_for_sm90a_without_spills():
-    _, log = cuda_topk.compile_source(cuda_scorer.ARCH, text=cuda_scorer.source(), name="cuda_scorer.cu",
+@pytest.mark.parametrize("consumers", [cuda_scorer.CONSUMERS, cuda_scorer.NARROW_CONSUMERS])
+def test_the_source_compiles_for_sm90a_without_spills(consumers):
+    """Both builds (the default and the narrow one) compile without spills, in the registers
+    their CTA per SM leaves each thread."""
+    defines = cuda_scorer.build_defines(consumers)
+    text = "".join(f"#define {k} {v}\n" for k, v in defines) + cuda_scorer.source()
+    _, log = cuda_topk.compile_source(cuda_scorer.ARCH, text=text, name="cuda_scorer.cu",
                                       extra_options=("--ptxas-options=-v",))
     found = re.findall(r"entry function '(\w+)'.*?(\d+) bytes spill stores.*?Used (\d+) registers", log, re.S)
     names = {f[0] for f in found}
@@ -182,7 +187,7 @@ def test_the_source_compiles_for_sm90a_without_spills():
         assert int(spills) == 0, (name, spills)
         # CTAS_PER_SM CTAs of THREADS threads per SM: each of the SM's four sub-partitions
         # holds its share of the warps in 16K registers
-        warps = cuda_scorer.CTAS_PER_SM * cuda_scorer.THREADS // 32
+        warps = cuda_scorer.CTAS_PER_SM * cuda_scorer.threads_for(consumers) // 32
         assert int(regs) * 32 * -(-warps // 4) <= 16384, (name, regs)
 
 
@@ -225,6 +230,8 @@ def test_the_variant_tool_launches_the_library_source_as_the_module_does():
         tool.round_orders(2, 0)
     padded = tool.geometry(text, tool.parse_variant("x=@12:SMEM_PAD=4096"), 64)[2]
     assert padded == cuda_scorer.smem_bytes(64, True, 12) + 4096
+    assert tool.geometry(text, tool.parse_variant("x=:CONSUMERS=2,CTAS_PER_SM=2"), 64)[1:] == (
+        288, cuda_scorer.smem_bytes(64, True), 2)  # the grid sized for 2 CTAs an SM
 
 
 def test_the_ring_is_chosen_on_the_device_not_by_the_bound(monkeypatch):
@@ -251,3 +258,72 @@ def test_the_ring_is_chosen_on_the_device_not_by_the_bound(monkeypatch):
     with pytest.raises(ValueError, match="stages"):
         cuda_scorer.kernel_name(64, True, 7)
 
+
+
+def test_the_build_follows_the_row_count_not_the_bound():
+    """``consumers_for``: calls of 1 .. ``scorer.cuda_narrow_rows`` rows run the narrow build, every
+    other call (and every call where it is 0) the default one; nothing of the width bound enters.
+    Its macros, and a bad count refused by name; the config refuses a bad ``cuda_narrow_rows``."""
+    import inspect
+
+    from vllm_sparse_sync.kernels.config import ScorerConfig
+
+    narrow, full = cuda_scorer.NARROW_CONSUMERS, cuda_scorer.CONSUMERS
+    assert narrow < full
+    assert list(inspect.signature(cuda_scorer.consumers_for).parameters) == ["rows", "narrow_rows"]
+    assert DEFAULT_CONFIG.scorer.cuda_narrow_rows == 1
+    assert [cuda_scorer.consumers_for(r, 1) for r in (1, 2, 8, 132)] == [narrow, full, full, full]
+    assert [cuda_scorer.consumers_for(r, 4) for r in (1, 4, 5)] == [narrow, narrow, full]
+    assert [cuda_scorer.consumers_for(r, 0) for r in (1, 2)] == [full, full]
+    assert cuda_scorer.build_defines(full) == ()
+    assert cuda_scorer.build_defines(narrow) == (("CONSUMERS", narrow),)
+    assert cuda_scorer.threads_for(narrow) == 288
+    with pytest.raises(ValueError, match="consumers"):
+        cuda_scorer.build_defines(3)
+    for bad in (-1, 1.0, True, "1"):
+        with pytest.raises(ValueError, match="cuda_narrow_rows"):
+            ScorerConfig(cuda_narrow_rows=bad)
+    # the narrow build's ring: each consumer owns whole slots of both rings
+    for stages in (cuda_scorer.STAGES_DEEP, cuda_scorer.STAGES_SHORT):
+        assert stages % narrow == 0
+
+
+@pytest.mark.parametrize("rows, narrow_rows, consumers", [(1, 1, 2), (2, 1, 4), (1, 0, 4), (3, 4, 2)])
+def test_the_launch_takes_the_build_of_its_row_count(monkeypatch, rows, narrow_rows, consumers):
+    """``launch_cuda_score`` without a module launches the build ``consumers_for`` names, with that
+    build's threads, on the same grid; a module passed in is used as is (CPU: the compile and the
+    launch are stand-ins that record what they are given)."""
+    from vllm_sparse_sync.kernels.config import ScorerConfig
+
+    built, launched = [], []
+
+    class FakeModule:
+        def __init__(self, defines):
+            self.threads = cuda_scorer.threads_for(dict(defines).get("CONSUMERS", cuda_scorer.CONSUMERS))
+
+        def function(self, heads, precise, stages):
+            return (heads, precise, stages)
+
+    def fake_module_for(index, defines=()):
+        built.append(tuple(defines))
+        return FakeModule(defines)
+
+    monkeypatch.setattr(cuda_scorer, "module_for", fake_module_for)
+    monkeypatch.setattr(cuda_scorer, "_index", lambda device: 0)
+    monkeypatch.setattr(cuda_topk, "launch_values",
+                        lambda mod, fn, grid, threads, smem, values, device: launched.append((grid, threads)))
+    q = torch.zeros(rows, 64, 128, dtype=torch.uint8)
+    w = torch.zeros(rows, 64)
+    cache = torch.zeros(4, cuda_scorer.SLOT_BYTES, dtype=torch.uint8)
+    table = torch.zeros(rows, 2, dtype=torch.int32)
+    lens = torch.zeros(rows, dtype=torch.int32)
+    out = torch.zeros(rows, 128)
+    cfg = ScorerConfig(cuda_narrow_rows=narrow_rows)
+    args = (q, w, cache, table, lens, None, out)
+    cuda_scorer.launch_cuda_score(*args, page_size=64, sel_width=128, fill_width=0, splits=5, config=cfg)
+    assert built == [cuda_scorer.build_defines(consumers)]
+    assert launched == [((rows, 5, 1), cuda_scorer.threads_for(consumers))]
+    given = FakeModule(())
+    cuda_scorer.launch_cuda_score(*args, page_size=64, sel_width=128, fill_width=0, splits=5, config=cfg,
+                                  module=given)
+    assert len(built) == 1 and launched[-1] == ((rows, 5, 1), cuda_scorer.THREADS)

@@ -188,17 +188,20 @@ def test_capture_then_replay_with_new_lengths(deep):
         _check(out, ref.paged_indexer_logits(*case.args, 6400), True, lens)
 
 
+@pytest.mark.parametrize("consumers", [4, 2])
 @pytest.mark.parametrize("deep", [True, False, MIXED])
 @pytest.mark.parametrize("precise", [True, False])
-def test_the_ring_holds_under_shuffled_timings(deep, precise):
-    """The library source built with ``RING_STRESS_NS``: producer lanes and consumer warpgroups
+def test_the_ring_holds_under_shuffled_timings(deep, precise, consumers):
+    """The library source built with ``RING_STRESS_NS`` (both builds: 4 and 2 consumer
+    warpgroups, whose slots and issue lanes differ): producer lanes and consumer warpgroups
     pause pseudo-randomly (up to 3 us a tile), so copies are issued and slots read out of their
     usual order; every score still matches the reference. Guards the ring's barrier phases (a
     slot refilled before its reader arrived, a wait passing on a stale parity: run 73's crash). In
 this build a wait longer than 2 s traps, so a deadlocked ring fails here instead of hanging."""
     from vllm_sparse_sync.kernels import cuda_scorer
 
-    mod = cuda_scorer.module_for(torch.cuda.current_device(), (("RING_STRESS_NS", 3000),))
+    defines = cuda_scorer.build_defines(consumers) + (("RING_STRESS_NS", 3000),)
+    mod = cuda_scorer.module_for(torch.cuda.current_device(), defines)
     case = make_case([30000, 64 * 300 + 5, 9000], heads=64, device=DEV, seed=21)
     width = case.block_table.shape[1] * 64
     want = ref.paged_indexer_logits(*case.args, width)
@@ -229,3 +232,58 @@ def test_every_key_byte_scores_as_the_reference(heads):
     assert bool((want[0, :2] == 0).all())  # tokens 0, 1 hold NaN bytes: every dot relu 0
     for splits in (None, 1, 3):
         _check(_score(case, width, precise=True, splits=splits), want, True, [width] * 3)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    n=st.integers(0, 20000),
+    heads=st.sampled_from([64, 32]),
+    precise=st.booleans(),
+    wide=st.booleans(),
+    splits=st.sampled_from([None, 1, 7]),
+    deep=st.sampled_from([False, MIXED]),
+    seed=st.integers(0, 2**16),
+)
+def test_one_row_runs_the_narrow_build_and_scores_as_the_default(n, heads, precise, wide, splits, deep, seed):
+    """A one-row call (``scorer.cuda_narrow_rows``) launches the narrow build; its scores are the
+    reference's and bit for bit the default build's, at any live length under either bound."""
+    from vllm_sparse_sync.kernels import cuda_scorer
+
+    narrow = cuda_scorer.NARROW_CONSUMERS
+    assert cuda_scorer.consumers_for(1, DEFAULT_CONFIG.scorer.cuda_narrow_rows) == narrow
+    case = make_case([n], heads=heads, table_pages=320, device=DEV, seed=seed)
+    width = 320 * 64 if wide else max(64, n)
+    default = cuda_scorer.module_for(torch.cuda.current_device())
+    got = _score(case, width, precise=precise, splits=splits, deep=deep)
+    key = (torch.cuda.current_device(), cuda_scorer.build_defines(narrow))
+    assert key in cuda_scorer._MODULES  # the launch compiled (or found) the narrow build
+    base = _score(case, width, precise=precise, splits=splits, deep=deep, module=default)
+    assert torch.equal(got.view(torch.int32), base.view(torch.int32))
+    _check(got, ref.paged_indexer_logits(*case.args, width), precise, [width])
+
+
+def test_a_captured_one_row_step_replays_on_the_narrow_build():
+    """One row captured (the narrow build, warmed up first) replays with new lengths, from one
+    tile a program to many."""
+    from vllm_sparse_sync.kernels import cuda_scorer
+
+    case = make_case([64], heads=64, table_pages=400, device=DEV, seed=17)
+    out = torch.full((1, 25600), 7.0, device=DEV)
+    cuda_scorer.warmup(DEV)
+
+    def step():
+        cuda_scorer.launch_cuda_score(case.q_fp8, case.weights, case.k_cache, case.block_table, case.row_lens,
+                                      None, out, page_size=64, sel_width=25600, fill_width=0, splits=132,
+                                      config=DEFAULT_CONFIG.scorer)
+
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for n in (4096, 25600, 1, 8191):
+        out.fill_(7.0)
+        case.row_lens.fill_(n)
+        graph.replay()
+        torch.cuda.synchronize()
+        _check(out, ref.paged_indexer_logits(*case.args, 25600), True, [n])

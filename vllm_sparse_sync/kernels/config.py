@@ -62,6 +62,11 @@ class ScorerConfig:
     cuda_ctas_per_sm: int = 1
     """The CUDA scorer's programs per SM, split over the call's rows (one CTA of its kernel holds
     more than half an SM's registers)."""
+    cuda_narrow_rows: int = 1
+    """Calls of at most this many rows run the CUDA scorer built with ``cuda_scorer.NARROW_CONSUMERS``
+    consumer warpgroups a CTA instead of ``cuda_scorer.CONSUMERS`` (0: never). Chosen from the row
+    count only, never the width bound: one row of 4K-64K scored 2-11% faster there, 128K 3-5% slower,
+    8 rows 12% slower (benchmarks/NOTES.md, session 20)."""
     launch_dependents: bool = True
     """Each program lets the next kernel launch as it starts (``griddepcontrol.launch_dependents``,
     where Triton has it): the step's CUDA top-k, a programmatic dependent launch, is then resident
@@ -75,6 +80,9 @@ class ScorerConfig:
         _positive("scorer.stages", self.stages)
         _positive("scorer.ctas_per_sm", self.ctas_per_sm)
         _positive("scorer.cuda_ctas_per_sm", self.cuda_ctas_per_sm)
+        if not _is_int(self.cuda_narrow_rows) or self.cuda_narrow_rows < 0:
+            raise ValueError(f"scorer.cuda_narrow_rows: an int >= 0 (0: never), "
+                             f"got {self.cuda_narrow_rows!r}")
         if not _is_int(self.cuda_min_rows) or self.cuda_min_rows < 0:
             raise ValueError(f"scorer.cuda_min_rows: an int >= 0, got {self.cuda_min_rows!r}")
         if not _is_int(self.cuda_min_width) or self.cuda_min_width < 0:

@@ -5,8 +5,11 @@ reference ``paged_indexer_logits`` does, the exact path (``scorer.precise``: e4m
 sums) and the e4m3 tensor-core path alike. It takes calls the kernel is built for (``takes``:
 64-token pages, head dim 128, 32 or 64 heads, 16-byte aligned pages) on a device of compute
 capability 9.0 (the sm_90a code runs there only); ``kernels.scorer.launch_score`` sends the rest
-to Triton. Compiled on first use and cached per device; launched on torch's current stream, so
-it is captured when the stream captures. Call ``warmup`` (or one eager call) before capturing.
+to Triton. Two builds of the one source: the default (``CONSUMERS`` consumer warpgroups a CTA)
+and the narrow one (``NARROW_CONSUMERS``) that calls of at most ``scorer.cuda_narrow_rows`` rows
+run (``consumers_for``: from the row count, never the width bound). Compiled on first use and
+cached per device; launched on torch's current stream, so it is captured when the stream
+captures. Call ``warmup`` (or one eager call) before capturing.
 """
 
 from __future__ import annotations
@@ -41,6 +44,9 @@ NEVER_DEEP = 2**31 - 1
 """the kernel's ``deep_tiles`` where no program is to run the deep ring"""
 CONSUMERS = 4
 """consumer warpgroups per CTA (the source's ``CONSUMERS``), each scoring every CONSUMERS-th tile"""
+NARROW_CONSUMERS = 2
+"""consumer warpgroups of the narrow build, which calls of at most ``scorer.cuda_narrow_rows`` rows
+run: a CTA of fewer warps starts sooner where a program has few tiles"""
 
 
 def threads_for(consumers: int) -> int:
@@ -59,6 +65,20 @@ SLOT_BYTES = PAGE * (HEAD_DIM + 4)
 
 def source() -> str:
     return SOURCE_PATH.read_text()
+
+
+def consumers_for(rows: int, narrow_rows: int) -> int:
+    """Consumer warpgroups of the build a call of ``rows`` rows runs (``narrow_rows``:
+    ``scorer.cuda_narrow_rows``); the row count is host metadata, the width bound plays no part."""
+    return NARROW_CONSUMERS if 0 < rows <= narrow_rows else CONSUMERS
+
+
+def build_defines(consumers: int) -> tuple[tuple[str, int], ...]:
+    """The macros of the build with ``consumers`` consumer warpgroups (none for the default)."""
+    if consumers not in (CONSUMERS, NARROW_CONSUMERS):
+        raise ValueError(f"cuda scorer: consumers must be {CONSUMERS} or {NARROW_CONSUMERS}, "
+                         f"got {consumers!r}")
+    return () if consumers == CONSUMERS else (("CONSUMERS", consumers),)
 
 
 def kernel_name(heads: int, precise: bool, stages: int = STAGES_SHORT) -> str:
@@ -169,12 +189,13 @@ def module_for(index: int, defines: tuple[tuple[str, int], ...] = ()) -> _Module
 
 
 def warmup(device: torch.device | str = "cuda") -> None:
-    """Compile, load and fetch every kernel outside capture."""
-    mod = module_for(_index(torch.device(device)))
-    for heads in HEADS:
-        for precise in (True, False):
-            for stages in (STAGES_DEEP, STAGES_SHORT):
-                mod.function(heads, precise, stages)
+    """Compile, load and fetch every kernel of both builds outside capture."""
+    for consumers in (CONSUMERS, NARROW_CONSUMERS):
+        mod = module_for(_index(torch.device(device)), build_defines(consumers))
+        for heads in HEADS:
+            for precise in (True, False):
+                for stages in (STAGES_DEEP, STAGES_SHORT):
+                    mod.function(heads, precise, stages)
 
 
 def launch_cuda_score(
@@ -182,9 +203,12 @@ def launch_cuda_score(
     splits, config, module: _Module | None = None,
 ) -> None:
     """The scorer's launch (``config``: a ``ScorerConfig``) on a call ``takes`` accepts; arguments
-    as ``triton_scorer.launch_score`` (``module``: a ``module_for`` build, default the device's)."""
+    as ``triton_scorer.launch_score`` (``module``: a ``module_for`` build; default the device's
+    build for the call's row count, ``consumers_for``)."""
     rows, heads, _ = q_fp8.shape
-    mod = module or module_for(_index(q_fp8.device))
+    if module is None:
+        module = module_for(_index(q_fp8.device), build_defines(consumers_for(rows, config.cuda_narrow_rows)))
+    mod = module
     stages, deep_tiles = ring()
     fn = mod.function(heads, config.precise, stages)
     values = score_values(q_fp8, weights, k_cache, block_table, row_lens, active, out, page_size=page_size,
