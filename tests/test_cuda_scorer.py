@@ -259,7 +259,6 @@ def test_the_ring_is_chosen_on_the_device_not_by_the_bound(monkeypatch):
         cuda_scorer.kernel_name(64, True, 7)
 
 
-
 def test_the_build_follows_the_row_count_not_the_bound():
     """``consumers_for``: calls of 1 .. ``scorer.cuda_narrow_rows`` rows run the narrow build, every
     other call (and every call where it is 0) the default one; nothing of the width bound enters.

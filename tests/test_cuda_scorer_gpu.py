@@ -53,6 +53,24 @@ def _ring(deep):
         cuda_scorer.DEEP_TILES = saved
 
 
+@contextlib.contextmanager
+def _builds_launched():
+    """The builds (``module_for``'s defines) the launches inside ask for, in order."""
+    from vllm_sparse_sync.kernels import cuda_scorer
+
+    seen, real = [], cuda_scorer.module_for
+
+    def spy(index, defines=()):
+        seen.append(tuple(defines))
+        return real(index, defines)
+
+    cuda_scorer.module_for = spy
+    try:
+        yield seen
+    finally:
+        cuda_scorer.module_for = real
+
+
 def _score(case, width, *, precise, active=None, fill=True, splits=None, lens=None, table=None, deep=None,
            module=None):
     from vllm_sparse_sync.kernels import cuda_scorer
@@ -254,9 +272,9 @@ def test_one_row_runs_the_narrow_build_and_scores_as_the_default(n, heads, preci
     case = make_case([n], heads=heads, table_pages=320, device=DEV, seed=seed)
     width = 320 * 64 if wide else max(64, n)
     default = cuda_scorer.module_for(torch.cuda.current_device())
-    got = _score(case, width, precise=precise, splits=splits, deep=deep)
-    key = (torch.cuda.current_device(), cuda_scorer.build_defines(narrow))
-    assert key in cuda_scorer._MODULES  # the launch compiled (or found) the narrow build
+    with _builds_launched() as builds:
+        got = _score(case, width, precise=precise, splits=splits, deep=deep)
+    assert builds == [cuda_scorer.build_defines(narrow)]
     base = _score(case, width, precise=precise, splits=splits, deep=deep, module=default)
     assert torch.equal(got.view(torch.int32), base.view(torch.int32))
     _check(got, ref.paged_indexer_logits(*case.args, width), precise, [width])
@@ -276,11 +294,13 @@ def test_a_captured_one_row_step_replays_on_the_narrow_build():
                                       None, out, page_size=64, sel_width=25600, fill_width=0, splits=132,
                                       config=DEFAULT_CONFIG.scorer)
 
-    step()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with _builds_launched() as builds:
         step()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+    assert builds == [cuda_scorer.build_defines(cuda_scorer.NARROW_CONSUMERS)] * 2
     for n in (4096, 25600, 1, 8191):
         out.fill_(7.0)
         case.row_lens.fill_(n)

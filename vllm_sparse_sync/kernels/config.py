@@ -65,8 +65,7 @@ class ScorerConfig:
     cuda_narrow_rows: int = 1
     """Calls of at most this many rows run the CUDA scorer built with ``cuda_scorer.NARROW_CONSUMERS``
     consumer warpgroups a CTA instead of ``cuda_scorer.CONSUMERS`` (0: never). Chosen from the row
-    count only, never the width bound: one row of 4K-64K scored 2-11% faster there, 128K 3-5% slower,
-    8 rows 12% slower (benchmarks/NOTES.md, session 20)."""
+    count only, never the width bound; one row by measurement (benchmarks/NOTES.md, session 20)."""
     launch_dependents: bool = True
     """Each program lets the next kernel launch as it starts (``griddepcontrol.launch_dependents``,
     where Triton has it): the step's CUDA top-k, a programmatic dependent launch, is then resident

@@ -206,9 +206,8 @@ def launch_cuda_score(
     as ``triton_scorer.launch_score`` (``module``: a ``module_for`` build; default the device's
     build for the call's row count, ``consumers_for``)."""
     rows, heads, _ = q_fp8.shape
-    if module is None:
-        module = module_for(_index(q_fp8.device), build_defines(consumers_for(rows, config.cuda_narrow_rows)))
-    mod = module
+    mod = module if module is not None else module_for(
+        _index(q_fp8.device), build_defines(consumers_for(rows, config.cuda_narrow_rows)))
     stages, deep_tiles = ring()
     fn = mod.function(heads, config.precise, stages)
     values = score_values(q_fp8, weights, k_cache, block_table, row_lens, active, out, page_size=page_size,
