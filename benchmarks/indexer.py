@@ -35,6 +35,7 @@ import os
 import sys
 import tarfile
 import tempfile
+import time
 
 import torch
 
@@ -441,6 +442,82 @@ def bench_sglang_topk(sgl, inp: Inputs, ncalls: int, res: dict) -> None:
         torch.cuda.synchronize()
 
 
+STACK_TOPKS = ("vllm_persistent", "vllm_cooperative", "fi_auto", "sgl")
+"""the peer top-k kernels timed after DeepGEMM in one graph (``stack_<name>_us``); FlashInfer by
+its own dispatch (``auto``), as a FlashInfer user gets it"""
+
+
+def peer_topk_makers(vt, fi, sgl, inp: Inputs) -> dict:
+    """Each loaded peer top-k as ``name -> make(logits) -> call``: the call writes the top-k of
+    ``logits[:, :L]`` (any row stride) into the returned dict's ``"out"`` buffer."""
+    B, L = inp.B, inp.L
+    out = torch.full((B, TOPK), -1, dtype=torch.int32, device=DEV)
+    lens = inp.lens.to(torch.int32).clone()
+    makers: dict = {"out": out}
+    if vt is not None:
+        ws = torch.empty(1024 * 1024, dtype=torch.uint8, device=DEV)
+        for name in ("persistent", "cooperative"):
+            op = getattr(vt, f"{name}_topk")
+            makers[f"vllm_{name}"] = lambda x, op=op: lambda: op(x, lens, out, ws, TOPK, L)
+    if fi is not None:
+        offsets = torch.zeros(B, dtype=torch.int32, device=DEV)
+        states = torch.zeros(1 << 20, dtype=torch.uint8, device=DEV)  # zeroed once, as FlashInfer does
+
+        def fi_make(x):
+            def run():
+                err = fi.fi_topk_ragged(x.data_ptr(), out.data_ptr(), offsets.data_ptr(), lens.data_ptr(),
+                                        B, TOPK, x.stride(0), states.data_ptr(), FI_ALGOS["auto"], 0,
+                                        torch.cuda.current_stream().cuda_stream)
+                if err:
+                    raise RuntimeError(f"FlashInfer top-k returned cudaError {err}")
+            return run
+        makers["fi_auto"] = fi_make
+    if sgl is not None:
+        makers["sgl"] = lambda x: lambda: sgl(x, lens, out)
+    return makers
+
+
+def bench_peer_stack(peers, inp: Inputs, ncalls: int, res: dict) -> None:
+    """The peer stack as it runs: DeepGEMM's logits, then each peer top-k on them, in one graph
+    (``stack_<name>_us``; the top-k reads what DeepGEMM just wrote, as our step's top-k reads the
+    scorer's logits). Each stack's selection is checked on DeepGEMM's own logits
+    (``stack_<name>_check``)."""
+    from vllm_sparse_sync.kernels.verify import topk_violations
+
+    dg, vt, fi, sgl = peers
+    B, L = inp.B, inp.L
+    nsm = torch.cuda.get_device_properties(0).multi_processor_count
+    q4 = inp.q.view(B, 1, H, D)
+    lens2 = inp.lens.view(B, 1)
+    sched = dg.get_paged_mqa_logits_metadata(lens2, PAGE, nsm)
+
+    def logits(i):
+        _, _, cache, table, _ = inp.args(i)
+        kv = cache.view(cache.shape[0], PAGE, 1, D + 4)
+        return dg.fp8_fp4_paged_mqa_logits((q4, None), kv, inp.w, lens2, table, sched, L)
+
+    try:
+        makers = peer_topk_makers(vt, fi, sgl, inp)
+    except Exception as exc:  # a peer's setup failing must not cost the round the other benches
+        res["stack_err"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+        return
+    out = makers.pop("out")
+    for name in STACK_TOPKS:
+        if name not in makers:
+            continue
+        make = makers[name]
+        try:
+            res[f"stack_{name}_us"] = timeit(lambda i, make=make: lambda: make(logits(i))(), ncalls)
+            out.fill_(-1)
+            dense = logits(0)
+            make(dense)()
+            bad = topk_violations(out[: min(B, 2)], dense[: min(B, 2)], inp.lens[: min(B, 2)], TOPK)
+            res[f"stack_{name}_check"] = "ok" if not bad else bad[0][:120]
+        except Exception as exc:  # e.g. vLLM's cooperative top-k serves <= 64 rows only
+            res[f"stack_{name}_err"] = str(exc).splitlines()[0][:120]
+            torch.cuda.synchronize()
+
+
 PEER_TOPK_KEYS = ("vllm_persistent_topk_us", "vllm_cooperative_topk_us", "fi_auto_topk_us",
                   "fi_filtered_topk_us", "fi_multi_cta_topk_us", "sgl_topk_us")
 """every peer top-k time; the best of those measured is the one ours is compared with"""
@@ -463,6 +540,14 @@ def derive(res: dict, bw: float) -> dict:
         if "step_us" in res:
             res["ours_over_best_peer"] = res["step_us"] / res["best_peer_step_us"]
             res["ours_fp8_over_best_peer"] = res["step_fp8_us"] / res["best_peer_step_us"]
+    stacks = {n: res[f"stack_{n}_us"] for n in STACK_TOPKS
+              if f"stack_{n}_us" in res and res.get(f"stack_{n}_check") == "ok"}
+    if stacks:
+        best = min(stacks, key=stacks.get)
+        res["peer_stack_us"], res["peer_stack_topk"] = stacks[best], best
+        if "step_us" in res:
+            res["ours_over_peer_stack"] = res["step_us"] / stacks[best]
+            res["ours_fp8_over_peer_stack"] = res["step_fp8_us"] / stacks[best]
     return res
 
 
@@ -477,7 +562,9 @@ COLS = [("B", "{}"), ("L", "{}"), ("route", "{}"), ("scorer_us", "{:.1f}"), ("to
         ("vllm_cooperative_topk_us", "{:.1f}"), ("fi_auto_topk_us", "{:.1f}"),
         ("fi_filtered_topk_us", "{:.1f}"), ("fi_multi_cta_topk_us", "{:.1f}"), ("sgl_topk_us", "{:.1f}"),
         ("topk_over_best_peer", "{:.2f}"), ("best_peer_step_us", "{:.1f}"),
-        ("ours_over_best_peer", "{:.2f}"), ("ours_fp8_over_best_peer", "{:.2f}")]
+        ("ours_over_best_peer", "{:.2f}"), ("ours_fp8_over_best_peer", "{:.2f}"),
+        ("peer_stack_us", "{:.1f}"), ("ours_over_peer_stack", "{:.2f}"),
+        ("ours_fp8_over_peer_stack", "{:.2f}")]
 
 
 def table(rows: list[dict]) -> str:
@@ -516,7 +603,8 @@ def merge_rounds(rounds: list[dict]) -> dict:
     return out
 
 
-SPREAD_RATIOS = (("topk_over_best_peer", 1.0), ("ours_over_best_peer", 1.0), ("ours_fp8_over_best_peer", 0.9))
+SPREAD_RATIOS = (("topk_over_best_peer", 1.0), ("ours_over_best_peer", 1.0), ("ours_fp8_over_best_peer", 0.9),
+                 ("ours_over_peer_stack", 1.0), ("ours_fp8_over_peer_stack", 0.9))
 """the ratios ``spread`` reports, each with the target it counts runs against"""
 
 
@@ -645,18 +733,25 @@ def main() -> None:
         ncalls = max(12, copies)
         inp = Inputs(B, L, copies)
         algos = tuple(x for x in a.topk_algos.split(",") if x)
-        # each bench(res, inputs, calls): ours, then every peer that loaded
-        benches = [] if a.peers_only else [lambda r, i, n, algos=algos: bench_ours(i, n, config, r, algos)]
+        # each (name, bench(res, inputs, calls)): ours, then every peer that loaded
+        benches = [] if a.peers_only else [
+            ("ours", lambda r, i, n, algos=algos: bench_ours(i, n, config, r, algos))]
         for fn, peer in ((bench_deepgemm, dg), (bench_vllm_topk, vt), (bench_flashinfer_topk, fi),
                          (bench_sglang_topk, sgl)):
             if peer is not None:
-                benches.append(lambda r, i, n, fn=fn, peer=peer: fn(peer, i, n, r))
+                benches.append((fn.__name__[6:], lambda r, i, n, fn=fn, peer=peer: fn(peer, i, n, r)))
+        if dg is not None and (vt, fi, sgl) != (None, None, None):
+            benches.append(("peer_stack", lambda r, i, n: bench_peer_stack((dg, vt, fi, sgl), i, n, r)))
         rounds = []
         for k in range(a.rounds):
             one = dict(B=B, L=L, copies=copies, calls_per_graph=ncalls)
             try:
                 for i in range(len(benches)):  # round k starts with the k-th bench
-                    benches[(k + i) % len(benches)](one, inp, ncalls)
+                    name, bench = benches[(k + i) % len(benches)]
+                    t0 = time.perf_counter()
+                    bench(one, inp, ncalls)
+                    print(f"  {B}x{L} round {k + 1}/{a.rounds}: {name} {time.perf_counter() - t0:.1f} s",
+                          file=sys.stderr, flush=True)
             except Exception as exc:
                 one["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
             rounds.append(one)

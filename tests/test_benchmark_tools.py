@@ -50,6 +50,22 @@ def test_spread_counts_runs_that_met_each_target(indexer):
         indexer.spread([])
 
 
+def test_derive_compares_the_step_with_the_fastest_checked_peer_stack(indexer):
+    res = dict(B=1, L=4096, step_us=7.0, step_fp8_us=6.3, deepgemm_us=3.8, vllm_cooperative_topk_us=3.5,
+               stack_vllm_persistent_us=9.0, stack_vllm_persistent_check="ok",
+               stack_vllm_cooperative_us=7.0, stack_vllm_cooperative_check="ok",
+               stack_sgl_us=5.0, stack_sgl_check="row 0: selected scores differ from the top-2048 multiset",
+               stack_fi_auto_err="launch failed")
+    out = indexer.derive(dict(res), bw=4.0)
+    assert out["best_peer_step_us"] == pytest.approx(7.3)  # the separately timed sum, kept beside it
+    assert (out["peer_stack_us"], out["peer_stack_topk"]) == (7.0, "vllm_cooperative")  # sgl: check failed
+    assert out["ours_over_peer_stack"] == pytest.approx(1.0)
+    assert out["ours_fp8_over_peer_stack"] == pytest.approx(0.9)
+    del res["stack_vllm_persistent_check"], res["stack_vllm_cooperative_check"]  # unchecked: not a peer
+    assert "peer_stack_us" not in indexer.derive(dict(res), bw=4.0)
+    assert "0.90" in indexer.table([out]).split("\n")[-1]
+
+
 def test_the_wgmma_rate_source_compiles_one_kernel_a_form():
     from vllm_sparse_sync.kernels import cuda_scorer, cuda_topk
 
