@@ -1,0 +1,127 @@
+"""What a fresh process pays before its first decode steps: compiles and first launches, part by part.
+
+    python benchmarks/cold_start.py [--shapes 1x4096,64x16384] [--json FILE]
+
+Each line is one part, timed in this process the first time it runs and then again (the second
+time is the warm cost): the CUDA top-k's NVRTC compile, the CUDA scorer's builds, and for each
+shape the first step of every route the benchmark times (CUDA scorer + CUDA top-k, the fp8 dot,
+the Triton scorer, the fused Triton route for <= 8 rows) and a CUDA-graph capture of the step.
+Run it in a fresh process on a machine without Triton's cache (``TRITON_CACHE_DIR`` pointing to
+an empty folder) to see what a serving process's first step costs. Prints a line a part as it
+goes and a table at the end; ``--json`` writes the rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+TOPK, PAGE = 2048, 64
+
+
+def parse_shapes(text: str) -> list[tuple[int, int]]:
+    """``"1x4096,64x16384"`` -> ``[(1, 4096), (64, 16384)]``; a clear error for anything else."""
+    shapes = []
+    for part in (p for p in text.split(",") if p):
+        try:
+            b, l_ = (int(x) for x in part.split("x"))
+        except ValueError:
+            raise ValueError(f"--shapes: {part!r} is not ROWSxWIDTH (e.g. 1x4096)") from None
+        if b < 1 or l_ < PAGE or l_ % PAGE:
+            raise ValueError(f"--shapes: {part!r} needs rows >= 1 and a width that is a multiple of {PAGE}")
+        shapes.append((b, l_))
+    if not shapes:
+        raise ValueError("--shapes: give at least one ROWSxWIDTH")
+    return shapes
+
+
+def timed(rows: list[dict], part: str, fn) -> None:
+    """Run ``fn`` twice, synchronizing after each; record and print the first and second times."""
+    times = []
+    for _ in range(2):
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    rows.append(dict(part=part, first_s=times[0], second_s=times[1]))
+    print(f"{part}: first {times[0]:.2f} s, then {times[1] * 1e3:.2f} ms", flush=True)
+
+
+ROUTES = {"default": {}, "fp8 dot": {"scorer.precise": False}, "Triton scorer": {"scorer.cuda": False},
+          "fused (Triton)": {"topk.cuda_cluster": False}}
+"""the step's routes the indexer benchmark times, as config overrides"""
+
+
+def shape_parts(rows: list[dict], B: int, L: int, tk, workspace_cls, default_config, inputs_cls) -> None:
+    """One shape's first steps on every route of ``ROUTES``, then a graph capture of the default step."""
+    inp = inputs_cls(B, L, copies=2)
+    out = torch.empty(B, TOPK, dtype=torch.int32, device="cuda")
+
+    def step(ws, i=0):
+        tk.indexer_topk(*inp.args(i), TOPK, width=L, workspace=ws, out=out)
+
+    for name, values in ROUTES.items():
+        ws = workspace_cls(max(B, 256), TOPK, 131072, "cuda", config=default_config.with_values(**values))
+        route = ws.route(B, L, PAGE)
+        timed(rows, f"{B}x{L} step, {name} ({route.kind}, {route.scorer} scorer)", lambda ws=ws: step(ws))
+    ws = workspace_cls(max(B, 256), TOPK, 131072, "cuda")
+
+    def capture():
+        step(ws)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            step(ws, 1)
+        g.replay()
+
+    timed(rows, f"{B}x{L} graph capture of the default step", capture)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default="1x4096,64x16384")
+    ap.add_argument("--json", default="")
+    a = ap.parse_args()
+    try:
+        shapes = parse_shapes(a.shapes)
+    except ValueError as exc:
+        ap.error(str(exc))
+    if not torch.cuda.is_available():
+        print("error: benchmarks/cold_start.py times CUDA compiles and launches and needs a CUDA device",
+              file=sys.stderr)
+        sys.exit(2)
+    print(f"TRITON_CACHE_DIR={os.environ.get('TRITON_CACHE_DIR', '(default)')}", flush=True)
+    rows: list[dict] = []
+    t0 = time.perf_counter()
+    from indexer import Inputs  # the benchmark's inputs (its imports load Triton and the package)
+
+    from vllm_sparse_sync.kernels import DEFAULT_CONFIG, cuda_scorer, cuda_topk
+    from vllm_sparse_sync.kernels import triton_ops as tk
+    from vllm_sparse_sync.kernels.workspace import IndexerTopkWorkspace
+
+    rows.append(dict(part="imports", first_s=time.perf_counter() - t0, second_s=0.0))
+    print(f"imports: {rows[-1]['first_s']:.2f} s", flush=True)
+    timed(rows, "CUDA top-k module (NVRTC)", lambda: cuda_topk.module_for(torch.cuda.current_device()))
+    timed(rows, "CUDA scorer builds (NVRTC)", lambda: cuda_scorer.warmup("cuda"))
+    for B, L in shapes:
+        shape_parts(rows, B, L, tk, IndexerTopkWorkspace, DEFAULT_CONFIG, Inputs)
+    print("\n| part | first (s) | second (ms) |\n| --- | ---: | ---: |")
+    for r in rows:
+        print(f"| {r['part']} | {r['first_s']:.2f} | {r['second_s'] * 1e3:.2f} |")
+    if a.json:
+        meta = dict(device=torch.cuda.get_device_name(0), torch=torch.__version__,
+                    triton_cache_dir=os.environ.get("TRITON_CACHE_DIR"))
+        json.dump(dict(meta=meta, rows=rows), open(a.json, "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()
