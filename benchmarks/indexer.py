@@ -18,7 +18,9 @@ made by ``benchmarks/peers.sh``, or ``.peers_fi/`` (FlashInfer's native top-k he
 top-k cubin, ``benchmarks/peers_sglang.sh``); all four fit one device transfer together (about
 26 MB, vLLM's library trimmed to its sm_90 code), so every peer is timed in the same run
 (``--combine`` still merges separate runs). The best of the peer top-k times measured (with a passing set check) is what
-``topk_over_best_peer`` divides by. ``--spread`` takes runs of one build and prints each shape's
+``topk_over_best_peer`` divides by. ``best_peer_step_us`` adds DeepGEMM's time alone to it;
+``peer_stack_us`` times DeepGEMM then each peer top-k in one graph (the top-k reading the logits
+DeepGEMM just wrote, as ours does) and takes the fastest whose selection checks. ``--spread`` takes runs of one build and prints each shape's
 same-run ratios across them (median, lowest, highest, and how many runs met 1.0 / 0.9): how far a
 ratio moves from run to run. ``--rounds N`` times ours and every peer N times a shape, round k
 starting with the k-th of them (a sustained shape slows the device as it runs, so whoever is timed

@@ -270,7 +270,7 @@ def test_the_build_follows_the_row_count_not_the_bound():
     narrow, full = cuda_scorer.NARROW_CONSUMERS, cuda_scorer.CONSUMERS
     assert narrow < full
     assert list(inspect.signature(cuda_scorer.consumers_for).parameters) == ["rows", "narrow_rows"]
-    assert DEFAULT_CONFIG.scorer.cuda_narrow_rows == 1
+    assert DEFAULT_CONFIG.scorer.cuda_narrow_rows == 0  # opt-in until its hang is understood
     assert [cuda_scorer.consumers_for(r, 1) for r in (1, 2, 8, 132)] == [narrow, full, full, full]
     assert [cuda_scorer.consumers_for(r, 4) for r in (1, 4, 5)] == [narrow, narrow, full]
     assert [cuda_scorer.consumers_for(r, 0) for r in (1, 2)] == [full, full]

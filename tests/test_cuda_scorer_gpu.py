@@ -72,7 +72,7 @@ def _builds_launched():
 
 
 def _score(case, width, *, precise, active=None, fill=True, splits=None, lens=None, table=None, deep=None,
-           module=None):
+           module=None, narrow_rows=0):
     from vllm_sparse_sync.kernels import cuda_scorer
     from vllm_sparse_sync.kernels.route import score_splits
 
@@ -83,7 +83,7 @@ def _score(case, width, *, precise, active=None, fill=True, splits=None, lens=No
     out = torch.full((rows, width), 7.0, device=DEV)  # a sentinel where nothing is written
     splits = splits or score_splits(rows, torch.cuda.get_device_properties(0).multi_processor_count)
     assert cuda_scorer.takes(case.q_fp8, case.k_cache, table, 64, splits)
-    cfg = ScorerConfig(precise=precise)
+    cfg = ScorerConfig(precise=precise, cuda_narrow_rows=narrow_rows)
     with _ring(deep):
         cuda_scorer.launch_cuda_score(case.q_fp8, case.weights, case.k_cache, table, lens, active, out,
                                       page_size=64, sel_width=sel, fill_width=width if fill else 0,
@@ -263,17 +263,16 @@ def test_every_key_byte_scores_as_the_reference(heads):
     seed=st.integers(0, 2**16),
 )
 def test_one_row_runs_the_narrow_build_and_scores_as_the_default(n, heads, precise, wide, splits, deep, seed):
-    """A one-row call (``scorer.cuda_narrow_rows``) launches the narrow build; its scores are the
-    reference's and bit for bit the default build's, at any live length under either bound."""
+    """A one-row call with ``scorer.cuda_narrow_rows=1`` launches the narrow build; its scores are
+    the reference's and bit for bit the default build's, at any live length under either bound."""
     from vllm_sparse_sync.kernels import cuda_scorer
 
     narrow = cuda_scorer.NARROW_CONSUMERS
-    assert cuda_scorer.consumers_for(1, DEFAULT_CONFIG.scorer.cuda_narrow_rows) == narrow
     case = make_case([n], heads=heads, table_pages=320, device=DEV, seed=seed)
     width = 320 * 64 if wide else max(64, n)
     default = cuda_scorer.module_for(torch.cuda.current_device())
     with _builds_launched() as builds:
-        got = _score(case, width, precise=precise, splits=splits, deep=deep)
+        got = _score(case, width, precise=precise, splits=splits, deep=deep, narrow_rows=1)
     assert builds == [cuda_scorer.build_defines(narrow)]
     base = _score(case, width, precise=precise, splits=splits, deep=deep, module=default)
     assert torch.equal(got.view(torch.int32), base.view(torch.int32))
@@ -292,7 +291,7 @@ def test_a_captured_one_row_step_replays_on_the_narrow_build():
     def step():
         cuda_scorer.launch_cuda_score(case.q_fp8, case.weights, case.k_cache, case.block_table, case.row_lens,
                                       None, out, page_size=64, sel_width=25600, fill_width=0, splits=132,
-                                      config=DEFAULT_CONFIG.scorer)
+                                      config=ScorerConfig(cuda_narrow_rows=1))
 
     with _builds_launched() as builds:
         step()
