@@ -20,11 +20,12 @@ top-k cubin, ``benchmarks/peers_sglang.sh``); all four fit one device transfer t
 (``--combine`` still merges separate runs). The best of the peer top-k times measured (with a passing set check) is what
 ``topk_over_best_peer`` divides by. ``best_peer_step_us`` adds DeepGEMM's time alone to it;
 ``peer_stack_us`` times DeepGEMM then each peer top-k in one graph (the top-k reading the logits
-DeepGEMM just wrote, as ours does) and takes the fastest whose selection checks. ``--spread`` takes runs of one build and prints each shape's
-same-run ratios across them (median, lowest, highest, and how many runs met 1.0 / 0.9): how far a
-ratio moves from run to run. ``--rounds N`` times ours and every peer N times a shape, round k
-starting with the k-th of them (a sustained shape slows the device as it runs, so whoever is timed
-first gains); each time is the median over the rounds, every round kept under ``rounds``.
+DeepGEMM just wrote, as ours does) and takes the fastest whose selection checks. ``--spread``
+takes runs of one build and prints each shape's same-run ratios across them (median, lowest,
+highest, and how many runs met 1.0 / 0.9): how far a ratio moves from run to run. ``--rounds N``
+times ours and every peer N times a shape, round k starting with the k-th of them (a sustained
+shape slows the device as it runs, so whoever is timed first gains); each time is the median
+over the rounds, every round kept under ``rounds``.
 """
 
 from __future__ import annotations
@@ -301,12 +302,24 @@ def peer_logits(inp: Inputs, ncalls: int):
     return width, nl, base, [base] + [base.clone() for _ in range(nl - 1)]
 
 
+def fi_call(lib, x, out, offsets, lens, states, algo: int):
+    """A call of FlashInfer's ragged top-k (``FI_ALGOS``) on ``x`` (rows of stride ``x.stride(0)``)
+    into ``out``, on torch's current stream; raises on a CUDA error."""
+    def run():
+        err = lib.fi_topk_ragged(x.data_ptr(), out.data_ptr(), offsets.data_ptr(), lens.data_ptr(),
+                                 x.shape[0], out.shape[1], x.stride(0), states.data_ptr(), algo, 0,
+                                 torch.cuda.current_stream().cuda_stream)
+        if err:
+            raise RuntimeError(f"FlashInfer top-k returned cudaError {err}")
+    return run
+
+
 def bench_flashinfer_topk(lib, inp: Inputs, ncalls: int, res: dict) -> None:
     """FlashInfer's ragged top-k (offsets 0: plain indices) on the buffers vLLM's top-k gets."""
     from vllm_sparse_sync.kernels import triton_ops as tk
 
     B = inp.B
-    width, nl, base, bufs = peer_logits(inp, ncalls)
+    _, nl, base, bufs = peer_logits(inp, ncalls)
     offsets = torch.zeros(B, dtype=torch.int32, device=DEV)
     lens = inp.lens.to(torch.int32).clone()
     states = torch.zeros(1 << 20, dtype=torch.uint8, device=DEV)  # zeroed once, as FlashInfer does
@@ -314,13 +327,7 @@ def bench_flashinfer_topk(lib, inp: Inputs, ncalls: int, res: dict) -> None:
     want = tk.topk_indices(base, inp.lens, TOPK).sort(dim=1).values
 
     def call(buf, algo):
-        def run():
-            err = lib.fi_topk_ragged(buf.data_ptr(), out.data_ptr(), offsets.data_ptr(), lens.data_ptr(),
-                                     B, TOPK, width, states.data_ptr(), algo, 0,
-                                     torch.cuda.current_stream().cuda_stream)
-            if err:
-                raise RuntimeError(f"FlashInfer top-k returned cudaError {err}")
-        return run
+        return fi_call(lib, buf, out, offsets, lens, states, algo)
 
     for name, algo in FI_ALGOS.items():
         try:
@@ -464,16 +471,7 @@ def peer_topk_makers(vt, fi, sgl, inp: Inputs) -> dict:
     if fi is not None:
         offsets = torch.zeros(B, dtype=torch.int32, device=DEV)
         states = torch.zeros(1 << 20, dtype=torch.uint8, device=DEV)  # zeroed once, as FlashInfer does
-
-        def fi_make(x):
-            def run():
-                err = fi.fi_topk_ragged(x.data_ptr(), out.data_ptr(), offsets.data_ptr(), lens.data_ptr(),
-                                        B, TOPK, x.stride(0), states.data_ptr(), FI_ALGOS["auto"], 0,
-                                        torch.cuda.current_stream().cuda_stream)
-                if err:
-                    raise RuntimeError(f"FlashInfer top-k returned cudaError {err}")
-            return run
-        makers["fi_auto"] = fi_make
+        makers["fi_auto"] = lambda x: fi_call(fi, x, out, offsets, lens, states, FI_ALGOS["auto"])
     if sgl is not None:
         makers["sgl"] = lambda x: lambda: sgl(x, lens, out)
     return makers
