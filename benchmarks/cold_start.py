@@ -7,8 +7,9 @@ time is the warm cost): the CUDA top-k's NVRTC compile, the CUDA scorer's builds
 shape the first step of every route the benchmark times (CUDA scorer + CUDA top-k, the fp8 dot,
 the Triton scorer, the fused Triton route for <= 8 rows) and a CUDA-graph capture of the step.
 Run it in a fresh process on a machine without Triton's cache (``TRITON_CACHE_DIR`` pointing to
-an empty folder) to see what a serving process's first step costs. Prints a line a part as it
-goes and a table at the end; ``--json`` writes the rows.
+an empty folder) and without the NVRTC cubin cache (``VLLM_SPARSE_SYNC_CACHE_DIR`` likewise) to
+see what a serving process's first step costs; run it again to see what a restart pays. Prints
+a line a part as it goes and a table at the end; ``--json`` writes the rows.
 """
 
 from __future__ import annotations
@@ -110,13 +111,19 @@ def main() -> None:
 
     rows.append(dict(part="imports", first_s=time.perf_counter() - t0, second_s=0.0))
     print(f"imports: {rows[-1]['first_s']:.2f} s", flush=True)
-    timed(rows, "CUDA top-k module (NVRTC)", lambda: cuda_topk.module_for(torch.cuda.current_device()))
+    from vllm_sparse_sync.kernels import nvrtc_cache
+
+    print(f"NVRTC cubin cache: {nvrtc_cache.cache_dir() or 'off'}", flush=True)
+    dev = torch.cuda.current_device()
+    timed(rows, "CUDA top-k module (NVRTC)", lambda: cuda_topk.module_for(dev))
+    rows[-1]["origin"] = cuda_topk.module_for(dev).origin
     timed(rows, "CUDA scorer builds (NVRTC)", lambda: cuda_scorer.warmup("cuda"))
+    rows[-1]["origin"] = ", ".join(sorted({m.origin for m in cuda_scorer._MODULES.values()}))
     for B, L in shapes:
         shape_parts(rows, B, L, tk, IndexerTopkWorkspace, DEFAULT_CONFIG, Inputs)
-    print("\n| part | first (s) | second (ms) |\n| --- | ---: | ---: |")
+    print("\n| part | first (s) | second (ms) | cubin from |\n| --- | ---: | ---: | --- |")
     for r in rows:
-        print(f"| {r['part']} | {r['first_s']:.2f} | {r['second_s'] * 1e3:.2f} |")
+        print(f"| {r['part']} | {r['first_s']:.2f} | {r['second_s'] * 1e3:.2f} | {r.get('origin', '')} |")
     if a.json:
         meta = dict(device=torch.cuda.get_device_name(0), torch=torch.__version__,
                     triton_cache_dir=os.environ.get("TRITON_CACHE_DIR"))

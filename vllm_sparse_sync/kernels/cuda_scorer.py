@@ -7,9 +7,10 @@ sums) and the e4m3 tensor-core path alike. It takes calls the kernel is built fo
 capability 9.0 (the sm_90a code runs there only); ``kernels.scorer.launch_score`` sends the rest
 to Triton. Two builds of the one source: the default (``CONSUMERS`` consumer warpgroups a CTA)
 and the narrow one (``NARROW_CONSUMERS``) that calls of at most ``scorer.cuda_narrow_rows`` rows
-run (``consumers_for``: from the row count, never the width bound). Compiled on first use and
-cached per device; launched on torch's current stream, so it is captured when the stream
-captures. Call ``warmup`` (or one eager call) before capturing.
+run (``consumers_for``: from the row count, never the width bound). Compiled on first use (the
+cubin kept on disk for later processes, ``nvrtc_cache``) and cached per device; launched on
+torch's current stream, so it is captured when the stream captures. Call ``warmup`` (or one
+eager call) before capturing.
 """
 
 from __future__ import annotations
@@ -146,7 +147,7 @@ class _Module:
         _check(driver.cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent")
         self.threads = threads_for(dict(defines).get("CONSUMERS", CONSUMERS))
         text = "".join(f"#define {k} {int(v)}\n" for k, v in defines) + source()
-        cubin, _ = cuda_topk.compile_source(ARCH, text=text, name="cuda_scorer.cu")
+        cubin, self.origin = cuda_topk.module_cubin(ARCH, text=text, name="cuda_scorer.cu")
         self.module = _check(driver.cuModuleLoadData(cubin), "cuModuleLoadData")
         self.functions: dict[str, object] = {}
 

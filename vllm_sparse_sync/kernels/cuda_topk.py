@@ -5,11 +5,12 @@ on sm_90+, ``launch_cuda_topk_cluster`` (a thread-block cluster of 1-8 CTAs per 
 row's keys in shared memory and summing histograms over distributed shared memory; sized by
 the pure ``plan_cluster``). Both write the positions ``cuda_topk_emu.topk_row`` specifies.
 
-Compiled on first use and cached per (device index, arch); launched with ``cuLaunchKernel`` on
-torch's current stream, so a call made while a torch CUDA graph captures is captured. No host
-sync, no allocation per call (the kernel needs no global scratch: its histograms and candidate
-list live in shared memory). Call ``warmup(device)`` (or make one eager call) before capturing:
-compiling and loading the module are not stream work.
+Compiled on first use and cached per (device index, arch), the cubin on disk too for later
+processes (``nvrtc_cache``: a cold process otherwise spends tens of seconds in NVRTC); launched
+with ``cuLaunchKernel`` on torch's current stream, so a call made while a torch CUDA graph
+captures is captured. No host sync, no allocation per call (the kernel needs no global scratch:
+its histograms and candidate list live in shared memory). Call ``warmup(device)`` (or make one
+eager call) before capturing: compiling and loading the module are not stream work.
 
 It uses ``cuda.bindings`` (``nvrtc`` and ``driver``), the layer ``cuda.core`` and CuPy sit on:
 ``cuda.core``'s compile step queries the driver (so it cannot compile on a host without one, as
@@ -267,6 +268,31 @@ def compile_source(
         nvrtc.nvrtcDestroyProgram(prog)
 
 
+def compiler_identity() -> str:
+    """What the key of a cached cubin records of the compiler: NVRTC's and cuda-bindings' versions."""
+    _, nvrtc = _bindings()
+    major, minor = _check(nvrtc.nvrtcVersion(), "nvrtcVersion")
+    try:
+        from importlib.metadata import version
+
+        bindings = version("cuda-bindings")
+    except Exception:  # an older layout (``cuda-python`` only) or no metadata
+        bindings = "unknown"
+    return f"NVRTC {major}.{minor}; cuda-bindings {bindings}"
+
+
+def module_cubin(arch: str, *, text: str | None = None, name: str = "cuda_topk.cu",
+                 extra_options: tuple[str, ...] = ()) -> tuple[bytes, str]:
+    """``(cubin, origin)`` for a module to load: from the on-disk cache (``nvrtc_cache``) when it
+    holds this source compiled by this compiler, else compiled by ``compile_source`` and stored."""
+    from . import nvrtc_cache
+
+    body = source() if text is None else text
+    return nvrtc_cache.cached(
+        lambda: compile_source(arch, text=body, name=name, extra_options=extra_options)[0],
+        text=body, name=name, target=arch, options=extra_options, compiler=compiler_identity())
+
+
 class _Module:
     """The compiled module of one device: its context and kernel handles."""
 
@@ -281,7 +307,7 @@ class _Module:
         # torch's runtime uses the device's primary context: the same one
         self.ctx = _check(driver.cuDevicePrimaryCtxRetain(cu_dev), "cuDevicePrimaryCtxRetain")
         _check(driver.cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent")
-        cubin, _ = compile_source(self.arch)
+        cubin, self.origin = module_cubin(self.arch)
         self.module = _check(driver.cuModuleLoadData(cubin), "cuModuleLoadData")
         self.functions: dict[str, object] = {}
         self.smem_set: dict[str, int] = {}
