@@ -1,4 +1,4 @@
-"""Command-line entry: ``vllm-sparse-sync audit`` and ``vllm-sparse-sync selftest``.
+"""Command-line entry: ``vllm-sparse-sync audit``, ``selftest`` and ``prebuild``.
 
 Usage errors are one line on stderr and exit status 2, checked before any work starts.
 """
@@ -138,6 +138,42 @@ def _selftest(args: argparse.Namespace) -> int:
     return int(selftest_main(argv) or 0)
 
 
+def _prebuild(args: argparse.Namespace) -> int:
+    import json
+
+    import torch
+
+    from .kernels import nvrtc_cache
+    from .kernels.cuda_topk import CompileError
+    from .kernels.prebuild import parse_arch, prebuild
+
+    check_output_path("--json", args.json)
+    if args.arch:
+        try:
+            capability = parse_arch(args.arch)
+        except ValueError as exc:
+            raise UsageError(f"--arch: {exc}") from None
+    elif torch.cuda.is_available():
+        capability = torch.cuda.get_device_capability()
+    else:
+        raise UsageError("no CUDA device here to take the arch from: name one, e.g. --arch sm_90 "
+                         "(H100, H200)")
+    environ = dict(os.environ)
+    if args.cache_dir:
+        environ[nvrtc_cache.DIR_ENV] = args.cache_dir
+    try:
+        rows = prebuild(capability, environ, progress=lambda line: print(line, flush=True))
+    except CompileError as exc:
+        print(f"vllm-sparse-sync prebuild: {exc}", file=sys.stderr)
+        return 1
+    except RuntimeError as exc:
+        raise UsageError(str(exc)) from None
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(json.dumps(rows, indent=1) + "\n")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``vllm-sparse-sync`` command."""
     parser = argparse.ArgumentParser(prog="vllm-sparse-sync", description=__doc__.splitlines()[0])
@@ -168,6 +204,14 @@ def build_parser() -> argparse.ArgumentParser:
                           help="comma-separated layers to measure (default: all)")
     selftest.add_argument("--json", metavar="FILE", help="also write the rows as JSON to FILE")
     selftest.set_defaults(func=_selftest)
+    pre = sub.add_parser("prebuild", help="compile the CUDA kernels into the NVRTC cubin cache ahead of "
+                                          "time (no GPU needed)")
+    pre.add_argument("--arch", help="the GPU's arch, e.g. sm_90 for H100/H200 (default: this host's GPU)")
+    pre.add_argument("--cache-dir", metavar="DIR",
+                     help="the cache folder (default: $VLLM_SPARSE_SYNC_CACHE_DIR, else "
+                          "~/.cache/vllm_sparse_sync/nvrtc)")
+    pre.add_argument("--json", metavar="FILE", help="also write one row a module as JSON to FILE")
+    pre.set_defaults(func=_prebuild)
     return parser
 
 

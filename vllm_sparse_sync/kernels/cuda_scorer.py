@@ -133,6 +133,13 @@ def takes(q_fp8: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor,
     )
 
 
+def build_cubin(defines: tuple[tuple[str, int], ...] = (), environ=None) -> tuple[bytes, str]:
+    """``(cubin, origin)`` of the build with ``defines`` (``cuda_topk.module_cubin``: from the
+    on-disk cache, else compiled by NVRTC and stored); needs no GPU."""
+    text = "".join(f"#define {k} {int(v)}\n" for k, v in defines) + source()
+    return cuda_topk.module_cubin(ARCH, text=text, name="cuda_scorer.cu", environ=environ)
+
+
 class _Module:
     """The compiled scorer of one device (``defines``: macros defined before the source, as the
     tests' ``RING_STRESS_NS``)."""
@@ -146,8 +153,7 @@ class _Module:
         self.ctx = _check(driver.cuDevicePrimaryCtxRetain(cu_dev), "cuDevicePrimaryCtxRetain")
         _check(driver.cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent")
         self.threads = threads_for(dict(defines).get("CONSUMERS", CONSUMERS))
-        text = "".join(f"#define {k} {int(v)}\n" for k, v in defines) + source()
-        cubin, self.origin = cuda_topk.module_cubin(ARCH, text=text, name="cuda_scorer.cu")
+        cubin, self.origin = build_cubin(defines)
         self.module = _check(driver.cuModuleLoadData(cubin), "cuModuleLoadData")
         self.functions: dict[str, object] = {}
 

@@ -282,15 +282,17 @@ def compiler_identity() -> str:
 
 
 def module_cubin(arch: str, *, text: str | None = None, name: str = "cuda_topk.cu",
-                 extra_options: tuple[str, ...] = ()) -> tuple[bytes, str]:
-    """``(cubin, origin)`` for a module to load: from the on-disk cache (``nvrtc_cache``) when it
-    holds this source compiled by this compiler, else compiled by ``compile_source`` and stored."""
+                 extra_options: tuple[str, ...] = (), environ=None) -> tuple[bytes, str]:
+    """``(cubin, origin)`` for a module to load: from the on-disk cache (``nvrtc_cache``; its
+    folder from ``environ``, default the process's) when it holds this source compiled by this
+    compiler, else compiled by ``compile_source`` and stored."""
     from . import nvrtc_cache
 
     body = source() if text is None else text
     return nvrtc_cache.cached(
         lambda: compile_source(arch, text=body, name=name, extra_options=extra_options)[0],
-        text=body, name=name, target=arch, options=extra_options, compiler=compiler_identity())
+        text=body, name=name, target=arch, options=extra_options, compiler=compiler_identity(),
+        environ=environ)
 
 
 class _Module:
