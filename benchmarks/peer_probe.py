@@ -2,6 +2,7 @@
 
     python benchmarks/peer_probe.py [--limit 60] [--json FILE]            # every probe of PROBES
     python benchmarks/peer_probe.py --probe deepgemm,vllm --narrow 1      # one probe, this process
+    python benchmarks/peer_probe.py --probes 'all:1:on deepgemm+vllm:1:off' [--pad-mb 1024]
 
 A probe loads the named peers as ``indexer.py`` does (``deepgemm``: DeepGEMM's import;
 ``vllm``: vLLM's kernel library; ``topk_module``: our CUDA top-k module alone, which SGLang's
@@ -43,8 +44,29 @@ def parse_peers(text: str) -> tuple[str, ...]:
     return tuple(p for p in PEERS if p in names)
 
 
-def probe(peers: tuple[str, ...], narrow: int, limit: float) -> None:
-    """Load ``peers``, then run the one-row scorer eagerly and in a graph, printing each phase."""
+def parse_probes(text: str) -> list[tuple[str, int, str]]:
+    """``"all:1:on deepgemm+vllm:1:off"`` -> ``[("all", 1, "on"), ("deepgemm,vllm", 1, "off")]``
+    (peers joined by ``+``, ``none`` for none; narrow rows; cubin cache ``on`` or ``off``)."""
+    out = []
+    for part in text.split():
+        try:
+            peers, narrow, cache = part.split(":")
+            n = int(narrow)
+        except ValueError:
+            raise ValueError(f"--probes: {part!r} is not PEERS:NARROW:CACHE (e.g. all:1:on)") from None
+        if cache not in ("on", "off"):
+            raise ValueError(f"--probes: {part!r}: the cache is 'on' or 'off'")
+        names = "" if peers == "none" else peers.replace("+", ",")
+        parse_peers(names)
+        out.append((names, n, cache))
+    if not out:
+        raise ValueError("--probes: give at least one PEERS:NARROW:CACHE")
+    return out
+
+
+def probe(peers: tuple[str, ...], narrow: int, limit: float, pad_mb: int = 0) -> None:
+    """Load ``peers``, then run the one-row scorer eagerly and in a graph, printing each phase
+    (``pad_mb``: device memory allocated before the inputs, to move their addresses)."""
     import faulthandler
 
     import torch
@@ -72,9 +94,17 @@ def probe(peers: tuple[str, ...], narrow: int, limit: float) -> None:
     faulthandler.dump_traceback_later(limit, exit=True)
     B, L = 1, 4096
     config = DEFAULT_CONFIG.with_values(**{"scorer.cuda_narrow_rows": narrow})
+    pad = torch.empty(pad_mb * 2**20, dtype=torch.uint8, device="cuda") if pad_mb else None
     inp = ix.Inputs(B, L, copies=12)
     logits = torch.empty(B, L, device="cuda")
     kind = "cuda"
+    q, w, kc, table, lens = inp.args(0)
+    free, total = torch.cuda.mem_get_info()
+    print(f"  pad {pad_mb} MB at {pad.data_ptr() if pad is not None else 0:#x}; q {q.data_ptr():#x}, "
+          f"w {w.data_ptr():#x}, k cache {kc.data_ptr():#x} {tuple(kc.shape)}, table {table.data_ptr():#x}, "
+          f"lens {lens.data_ptr():#x}, logits {logits.data_ptr():#x}; splits "
+          f"{ix.unfused_splits(B, L, config, kind)}; device memory used {(total - free) / 2**20:.0f} MB",
+          flush=True)
 
     def call(i):
         return lambda: launch_score(*inp.args(i), None, logits, page_size=ix.PAGE, sel_width=L, fill_width=0,
@@ -88,16 +118,16 @@ def probe(peers: tuple[str, ...], narrow: int, limit: float) -> None:
     faulthandler.cancel_dump_traceback_later()
 
 
-def run_all(limit: float, json_path: str) -> int:
+def run_all(limit: float, json_path: str, probes=PROBES, pad_mb: int = 0) -> int:
     rows = []
-    for peers, narrow, cache in PROBES:
+    for peers, narrow, cache in probes:
         label = f"peers={peers or 'none'} narrow={narrow} cubin cache={cache}"
         print(f"== {label}", flush=True)
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         if cache == "off":
             env["VLLM_SPARSE_SYNC_NVRTC_CACHE"] = "0"
         cmd = [sys.executable, os.path.abspath(__file__), "--probe", peers or "none", "--narrow", str(narrow),
-               "--limit", str(limit)]
+               "--limit", str(limit), "--pad-mb", str(pad_mb)]
         t0 = time.perf_counter()
         try:  # the probe's own limit covers its launches; this one its loads and compiles too
             p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=limit + 180)
@@ -124,10 +154,19 @@ def main() -> None:
     ap.add_argument("--narrow", type=int, default=1, help="scorer.cuda_narrow_rows of the probe")
     ap.add_argument("--limit", type=float, default=60.0, help="seconds a probe's launches may take")
     ap.add_argument("--json", default="")
+    ap.add_argument("--probes", default="", help="instead of PROBES: 'PEERS:NARROW:CACHE ...', "
+                                                 "e.g. 'all:1:on deepgemm+vllm:1:on'")
+    ap.add_argument("--pad-mb", type=int, default=0, help="device memory allocated before the inputs")
     a = ap.parse_args()
     if a.limit <= 0:
         ap.error(f"--limit: must be > 0, got {a.limit}")
     peers = ()
+    probes = PROBES
+    if a.probes:
+        try:
+            probes = parse_probes(a.probes)
+        except ValueError as exc:
+            ap.error(str(exc))
     if a.probe is not None:
         try:
             peers = parse_peers("" if a.probe == "none" else a.probe)
@@ -140,9 +179,9 @@ def main() -> None:
               file=sys.stderr)
         sys.exit(2)
     if a.probe is not None:
-        probe(peers, a.narrow, a.limit)
+        probe(peers, a.narrow, a.limit, a.pad_mb)
         return
-    sys.exit(run_all(a.limit, a.json))
+    sys.exit(run_all(a.limit, a.json, probes, a.pad_mb))
 
 
 if __name__ == "__main__":
