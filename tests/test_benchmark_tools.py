@@ -108,3 +108,29 @@ def test_wide_bound_takes_lengths_and_tables_each_columns_fastest_repeat(wide_bo
     got = dict(zip(cols, cells))
     assert got["L"] == "4096" and got["step_exact"] == "7.70" and got["topk_exact"] == "4.40"
     assert got["step_wide_host"] == "-"  # not measured
+
+
+@pytest.fixture(scope="module")
+def peer_probe():
+    path = PATH.parent / "peer_probe.py"
+    spec = importlib.util.spec_from_file_location("peer_probe_bench", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_peer_probe_reads_peers_and_probe_lists(peer_probe):
+    assert peer_probe.parse_peers("") == ()
+    assert peer_probe.parse_peers("all") == peer_probe.PEERS
+    assert peer_probe.parse_peers("sgl,deepgemm") == ("deepgemm", "sgl")  # in load order
+    with pytest.raises(ValueError, match="unknown peer"):
+        peer_probe.parse_peers("deepgemm,flashinfer")
+    got = peer_probe.parse_probes("all:1:on deepgemm+vllm:0:off none:1:on")
+    assert got == [("all", 1, "on"), ("deepgemm,vllm", 0, "off"), ("", 1, "on")]
+    for bad in ("all:1", "all:x:on", "all:1:maybe", "dg:1:on", ""):
+        with pytest.raises(ValueError):
+            peer_probe.parse_probes(bad)
+    # every default probe names known peers and a cache state
+    for peers, narrow, cache in peer_probe.PROBES:
+        peer_probe.parse_peers(peers)
+        assert narrow in (0, 1) and cache in ("on", "off")
