@@ -8,8 +8,10 @@ so a barrier two phases behind passes). Independent warps admit more interleavin
 hardware does, so a schedule the kernel can run is one the model can run; a tile the producer
 skips (``slot_ok`` 0: a plain arrive, no copy) is a copy that lands at once.
 
-Proves, for the kernel's mapping with 1, 2, 3 and 6 slots per consumer (it ships 3 and 6) and up
-to 80 tiles: each tile is read by the four warps of its own consumer,
+Proves, for the kernel's mapping on both builds (4 consumer warpgroups with 1, 2, 3 and 6 slots
+per consumer, shipping 3 and 6; the narrow build's 2 with 1, 3, 6 and 12, shipping 6 and 12;
+``ISSUE_LANES`` is the consumer count in both) and up to 80 tiles: each tile is read by the four
+warps of its own consumer,
 each read sees that tile's landed copy (never another tile's data, never a copy in flight), no
 copy goes into a slot under a reader or over a copy in flight, and the run never deadlocks.
 Planted bugs show the checks see their bug class: a ring shared by all consumers with 6 or 10
@@ -32,9 +34,13 @@ from hypothesis import strategies as st
 
 from vllm_sparse_sync.kernels import cuda_scorer
 
-CONSUMERS = 4  # consumer warpgroups; tile it is consumer it % CONSUMERS's
+CONSUMERS = 4  # consumer warpgroups of the default build; tile it is consumer it % CONSUMERS's
+NARROW = 2  # the narrow build's (``cuda_scorer.NARROW_CONSUMERS``)
 WARPS = 4  # warps of a warpgroup: the arrivals an empty phase counts
-ISSUE_LANES = 4  # producer lanes issuing one tile each before a __syncwarp
+ISSUE_LANES = 4  # producer lanes issuing one tile each before a __syncwarp (the source: CONSUMERS)
+BUILDS = {CONSUMERS: (1, 2, 3, 6), NARROW: (1, 3, 6, 12)}
+"""slots per consumer the property test covers, a build's consumer count -> counts (the kernel's
+12- and 24-slot rings give 3 and 6 on the default build, 6 and 12 on the narrow one)"""
 
 # violation kinds
 READ_IN_FLIGHT = "read of a slot whose copy is in flight"
@@ -63,18 +69,22 @@ class Ring:
     use: Callable[[int], int]
     producer_waits_empty: bool = True
     empty_count: int = WARPS
+    consumers: int = CONSUMERS  # consumer warpgroups, and the producer's issue lanes
 
     def __repr__(self) -> str:
         return self.name
 
 
-def consumer_ring(per_consumer: int) -> Ring:
-    """The kernel's ring (``slot_of``): each consumer cycles through its own ``per_consumer`` slots."""
+def consumer_ring(per_consumer: int, consumers: int = CONSUMERS) -> Ring:
+    """The kernel's ring (``slot_of``) on a build of ``consumers`` warpgroups: each consumer
+    cycles through its own ``per_consumer`` slots."""
+    C = consumers
     return Ring(
-        f"slot_of(per_consumer={per_consumer})",
-        per_consumer * CONSUMERS,
-        slot=lambda it: it % CONSUMERS + CONSUMERS * ((it // CONSUMERS) % per_consumer),
-        use=lambda it: (it // CONSUMERS) // per_consumer,
+        f"slot_of(per_consumer={per_consumer}, consumers={C})",
+        per_consumer * C,
+        slot=lambda it: it % C + C * ((it // C) % per_consumer),
+        use=lambda it: (it // C) // per_consumer,
+        consumers=C,
     )
 
 
@@ -153,7 +163,8 @@ class RingModel:
         self.base = 0  # the producer's current group of ISSUE_LANES tiles
         self.issued: set[int] = set()
         self.copies: list[int] = []  # tiles whose copy is in flight
-        self.warps = [(c, w) for c in range(CONSUMERS) for w in range(WARPS)]
+        self.C = ring.consumers  # consumers, and the producer's issue lanes (ISSUE_LANES = CONSUMERS)
+        self.warps = [(c, w) for c in range(self.C) for w in range(WARPS)]
         self.next_tile = {cw: cw[0] for cw in self.warps}  # the tile a warp waits for next
         self.reading: dict[tuple[int, int], int] = {}  # warp -> slot it passed and has not arrived on
         self.reads: list[tuple[int, int, int]] = []  # (consumer, warp, tile whose data it read)
@@ -161,7 +172,7 @@ class RingModel:
     def actions(self) -> list[Action]:
         """Every action some actor can take now (a wait that would pass is an action)."""
         ring, acts = self.ring, []
-        for it in range(self.base, min(self.base + ISSUE_LANES, self.n)):
+        for it in range(self.base, min(self.base + self.C, self.n)):
             if it not in self.issued:
                 use = ring.use(it)
                 waits = use > 0 and ring.producer_waits_empty
@@ -192,7 +203,7 @@ class RingModel:
         else:
             c, w = action[1], action[2]
             self.empty[self.reading.pop((c, w))].arrive()
-            self.next_tile[c, w] += CONSUMERS
+            self.next_tile[c, w] += self.C
 
     def _issue(self, it: int) -> None:
         s = self.ring.slot(it)
@@ -206,9 +217,9 @@ class RingModel:
         self.full[s].arrive(tx=1)
         self.issued.add(it)
         self.copies.append(it)
-        group = range(self.base, min(self.base + ISSUE_LANES, self.n))
+        group = range(self.base, min(self.base + self.C, self.n))
         if all(t in self.issued for t in group):  # __syncwarp: the next group
-            self.base = min(self.base + ISSUE_LANES, self.n)
+            self.base = min(self.base + self.C, self.n)
 
     def _read(self, c: int, w: int) -> None:
         it = self.next_tile[c, w]
@@ -228,7 +239,7 @@ class RingModel:
 
     def check_reads(self) -> None:
         """Each tile was read once by each warp of its own consumer, and nothing else was read."""
-        want = sorted((it % CONSUMERS, w, it) for it in range(self.n) for w in range(WARPS))
+        want = sorted((it % self.C, w, it) for it in range(self.n) for w in range(WARPS))
         assert sorted(self.reads) == want
         assert len(self.issued) == self.n and self.base >= self.n
 
@@ -304,14 +315,24 @@ ACTORS = st.one_of(
 )
 
 
-@settings(max_examples=300, deadline=None)
-@given(n_tiles=st.integers(0, 80), per_consumer=st.sampled_from([1, 2, 3, 6]), seed=st.integers(0, 2**32 - 1),
-       starved=st.sets(ACTORS, max_size=3))
-def test_kernel_ring_is_safe_under_any_schedule(n_tiles, per_consumer, seed, starved):
-    """The kernel's mapping: every tile reaches its consumer's four warps intact, no copy goes into
-    a slot under a reader or over a copy in flight, no deadlock; under random schedules in which up
-    to three actors (a copy, a warp, a lane) move only when nothing else can."""
-    out = run(consumer_ring(per_consumer), n_tiles, starving(random.Random(seed), set(starved)))
+@settings(max_examples=500, deadline=None)
+@given(n_tiles=st.integers(0, 80), build=st.sampled_from([(c, p) for c, ps in BUILDS.items() for p in ps]),
+       seed=st.integers(0, 2**32 - 1), starved=st.sets(ACTORS, max_size=3))
+def test_kernel_ring_is_safe_under_any_schedule(n_tiles, build, seed, starved):
+    """The kernel's mapping on both builds: every tile reaches its consumer's four warps intact,
+    no copy goes into a slot under a reader or over a copy in flight, no deadlock; under random
+    schedules in which up to three actors (a copy, a warp, a lane) move only when nothing else can."""
+    consumers, per_consumer = build
+    out = run(consumer_ring(per_consumer, consumers), n_tiles, starving(random.Random(seed), set(starved)))
+    assert out.violation is None, (out.violation, out.trace[-12:])
+
+
+@pytest.mark.parametrize("per_consumer", BUILDS[NARROW])
+@pytest.mark.parametrize("late", [0, 1, 2, 13])
+def test_narrow_ring_is_safe_under_the_late_copy_adversary(per_consumer, late):
+    """The narrow build's ring with the producer as far ahead as it may go and one copy landing
+    last: still each tile read intact, and no deadlock."""
+    out = run(consumer_ring(per_consumer, NARROW), 48, late_copy(late))
     assert out.violation is None, (out.violation, out.trace[-12:])
 
 
@@ -430,11 +451,16 @@ def test_model_matches_the_kernel_source():
         if f"mbar_wait(smem_addr(&empty[s]), ((j / {pc}) - 1) & 1)" in src:
             assert f"if (j >= {pc}) mbar_wait(smem_addr(&empty[s])" in src, pc
     assert cuda_scorer.CONSUMERS == CONSUMERS == WARPS == ISSUE_LANES
-    assert {cuda_scorer.STAGES_SHORT // CONSUMERS, cuda_scorer.STAGES_DEEP // CONSUMERS} == {3, 6}
-    for per_consumer in (1, 2, 3, 6):  # slot_of: each window of a ring's tiles fills every slot once
-        ring = consumer_ring(per_consumer)
-        for start in range(0, 96, ring.slots):
-            assert sorted(ring.slot(it) for it in range(start, start + ring.slots)) == list(range(ring.slots))
+    assert cuda_scorer.NARROW_CONSUMERS == NARROW
+    assert cuda_scorer.build_defines(NARROW) == (("CONSUMERS", NARROW),)  # the narrow build: the macro
+    assert "#ifndef CONSUMERS" in src  # ... which the source lets a define replace
+    for c, covered in BUILDS.items():  # both rings each build runs are in the property test
+        assert {cuda_scorer.STAGES_SHORT // c, cuda_scorer.STAGES_DEEP // c} <= set(covered), c
+        for per_consumer in covered:  # slot_of: each window of a ring's tiles fills every slot once
+            ring = consumer_ring(per_consumer, c)
+            for start in range(0, 96, ring.slots):
+                window = range(start, start + ring.slots)
+                assert sorted(ring.slot(it) for it in window) == list(range(ring.slots))
 
 
 def test_barrier_parity_rule():
