@@ -17,15 +17,17 @@ made by ``benchmarks/peers.sh``, or ``.peers_fi/`` (FlashInfer's native top-k he
 ``benchmarks/peers_flashinfer.sh``, compiled here with nvcc) or ``.peers_sgl/`` (SGLang's
 top-k cubin, ``benchmarks/peers_sglang.sh``); all four fit one device transfer together (about
 26 MB, vLLM's library trimmed to its sm_90 code), so every peer is timed in the same run
-(``--combine`` still merges separate runs). The best of the peer top-k times measured (with a passing set check) is what
-``topk_over_best_peer`` divides by. ``best_peer_step_us`` adds DeepGEMM's time alone to it;
-``peer_stack_us`` times DeepGEMM then each peer top-k in one graph (the top-k reading the logits
-DeepGEMM just wrote, as ours does) and takes the fastest whose selection checks. ``--spread``
+(``--combine`` still merges separate runs). The best of the peer top-k times measured (with a
+passing set check) is what ``topk_over_best_peer`` divides by. ``best_peer_step_us`` adds
+DeepGEMM's time alone to it; ``peer_stack_us`` times DeepGEMM then each peer top-k in one graph
+(the top-k reading the logits DeepGEMM just wrote, as ours does) and takes the fastest whose
+selection checks. ``--spread``
 takes runs of one build and prints each shape's same-run ratios across them (median, lowest,
 highest, and how many runs met 1.0 / 0.9): how far a ratio moves from run to run. ``--rounds N``
 times ours and every peer N times a shape, round k starting with the k-th of them (a sustained
 shape slows the device as it runs, so whoever is timed first gains); each time is the median
-over the rounds, every round kept under ``rounds``.
+over the rounds, every round kept under ``rounds``. After the table of times, a table of the
+speed targets (``TARGETS``: each shape's ratio, the misses marked, how many shapes met each).
 """
 
 from __future__ import annotations
@@ -205,7 +207,8 @@ def bench_ours(inp: Inputs, ncalls: int, config, res: dict, algos: tuple[str, ..
     rows = min(B, 2)
     bad = topk_violations(got[:rows], dense[:rows], inp.lens[:rows], TOPK, tol=1e-3)
     if kind != TRITON:  # the step's selection on the Triton scorer's logits too
-        dense_t = tk.paged_indexer_logits(*inp.args(0), L, config=config.with_values(**{"scorer.cuda": False}))
+        triton_only = config.with_values(**{"scorer.cuda": False})
+        dense_t = tk.paged_indexer_logits(*inp.args(0), L, config=triton_only)
         bad = bad or topk_violations(got[:rows], dense_t[:rows], inp.lens[:rows], TOPK, tol=1e-3)
         fin = torch.isfinite(dense_t[:rows])
         res["scorer_vs_triton_max_rel"] = float(((dense[:rows] - dense_t[:rows]).abs()[fin]).max()
@@ -548,7 +551,40 @@ def derive(res: dict, bw: float) -> dict:
         if "step_us" in res:
             res["ours_over_peer_stack"] = res["step_us"] / stacks[best]
             res["ours_fp8_over_peer_stack"] = res["step_fp8_us"] / stacks[best]
+        fused = res.get("step_us") if res.get("route") == "fused" else res.get("step_fused_us")
+        if B <= FUSED_TARGET_ROWS and fused is not None:
+            res["fused_over_peer_stack"] = fused / stacks[best]
     return res
+
+
+FUSED_TARGET_ROWS = 8
+"""the rows up to which the fused route has its own target (issue 13: <= 0.8x the peer stack)"""
+TARGETS = (("topk_over_best_peer", 1.0, "top-k / best peer top-k"),
+           ("ours_over_peer_stack", 1.0, "exact step / peer stack"),
+           ("ours_fp8_over_peer_stack", 0.9, "fp8 step / peer stack"),
+           ("fused_over_peer_stack", 0.8, f"fused step / peer stack (rows <= {FUSED_TARGET_ROWS})"))
+"""the speed targets: ratio field, the most it may be, its heading"""
+
+
+def targets_table(rows: list[dict]) -> str:
+    """Each shape's ratio for every target of ``TARGETS`` (marked where it misses), then how many
+    shapes met each target of those that measured it (a ratio not measured is not a pass)."""
+    lines = ["| B | L | " + " | ".join(f"{h} <= {t}" for _, t, h in TARGETS) + " |",
+             "|---:|---:|" + "---:|" * len(TARGETS)]
+    met = {name: [0, 0] for name, _, _ in TARGETS}
+    for r in rows:
+        cells = []
+        for name, target, _ in TARGETS:
+            v = r.get(name)
+            if v is None:
+                cells.append("-")
+                continue
+            met[name][1] += 1
+            met[name][0] += v <= target
+            cells.append(f"{v:.3f}" + ("" if v <= target else " (miss)"))
+        lines.append(f"| {r['B']} | {r['L']} | " + " | ".join(cells) + " |")
+    lines.append("met: " + ", ".join(f"{h} {met[n][0]}/{met[n][1]}" for n, _, h in TARGETS))
+    return "\n".join(lines)
 
 
 COLS = [("B", "{}"), ("L", "{}"), ("route", "{}"), ("scorer_us", "{:.1f}"), ("topk_us", "{:.1f}"),
@@ -604,7 +640,8 @@ def merge_rounds(rounds: list[dict]) -> dict:
 
 
 SPREAD_RATIOS = (("topk_over_best_peer", 1.0), ("ours_over_best_peer", 1.0), ("ours_fp8_over_best_peer", 0.9),
-                 ("ours_over_peer_stack", 1.0), ("ours_fp8_over_peer_stack", 0.9))
+                 ("ours_over_peer_stack", 1.0), ("ours_fp8_over_peer_stack", 0.9),
+                 ("fused_over_peer_stack", 0.8))
 """the ratios ``spread`` reports, each with the target it counts runs against"""
 
 
@@ -695,6 +732,7 @@ def main() -> None:
     if a.combine:
         data = combine(a.combine)
         print(table(data["shapes"]))
+        print(targets_table(data["shapes"]))
         if a.out:
             json.dump(data, open(a.out, "w"), indent=1)
         return
@@ -768,6 +806,7 @@ def main() -> None:
             os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
             json.dump(dict(meta=meta, copy_tbs=bw, shapes=rows), open(a.out, "w"), indent=1)
     print(table(rows))
+    print(targets_table(rows))
     if a.baseline:
         print(compare(rows, a.baseline))
 

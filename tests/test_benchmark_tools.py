@@ -134,3 +134,24 @@ def test_peer_probe_reads_peers_and_probe_lists(peer_probe):
     for peers, narrow, cache in peer_probe.PROBES:
         peer_probe.parse_peers(peers)
         assert narrow in (0, 1) and cache in ("on", "off")
+
+
+def test_targets_table_marks_misses_and_counts_only_measured_shapes(indexer):
+    stack = dict(stack_vllm_cooperative_us=10.0, stack_vllm_cooperative_check="ok")
+    rows = [
+        indexer.derive(dict(B=1, L=4096, route="cuda_radix", step_us=9.0, step_fp8_us=8.5, step_fused_us=7.5,
+                            topk_us=4.0, vllm_cooperative_topk_us=3.5, **stack), bw=4.0),
+        indexer.derive(dict(B=4, L=4096, route="fused", step_us=8.0, step_fp8_us=9.5, **stack), bw=4.0),
+        indexer.derive(dict(B=64, L=65536, route="cuda_radix", step_us=10.5, step_fp8_us=8.0,
+                            step_fused_us=1.0, **stack), bw=4.0),
+    ]
+    assert rows[0]["fused_over_peer_stack"] == pytest.approx(0.75)  # the fused step the planner passed over
+    assert rows[1]["fused_over_peer_stack"] == pytest.approx(0.8)  # the fused route's own step
+    assert "fused_over_peer_stack" not in rows[2]  # above 8 rows the fused target does not apply
+    text = indexer.targets_table(rows)
+    lines = text.splitlines()
+    assert lines[2] == "| 1 | 4096 | 1.143 (miss) | 0.900 | 0.850 | 0.750 |"
+    assert lines[3] == "| 4 | 4096 | - | 0.800 | 0.950 (miss) | 0.800 |"
+    assert lines[4] == "| 64 | 65536 | - | 1.050 (miss) | 0.800 | - |"
+    assert lines[-1] == ("met: top-k / best peer top-k 0/1, exact step / peer stack 2/3, "
+                         "fp8 step / peer stack 2/3, fused step / peer stack (rows <= 8) 2/2")
