@@ -1,0 +1,140 @@
+"""Where the step's time goes beyond its two kernels: the step beside its scorer and its top-k
+timed alone and together, each as the step launches it.
+
+    python benchmarks/step_parts.py [--shapes 64x65536,32x65536,1x4096] [--rounds 3] [--json FILE]
+
+For each shape (H=64, D=128, k=2048, the serving workspace of ``indexer.py``), CUDA-graph replays
+of ``ncalls`` calls over rotated inputs, us a call:
+
+- ``step``: ``indexer_topk`` as ``indexer.py`` times it;
+- ``scorer``: the step's scorer launch alone (same splits, same logits buffer);
+- ``topk``: the step's top-k launch alone, on the logits the scorer left in that buffer;
+- ``pair`` / ``pair_no_pdl``: the two launches in one graph, the top-k a programmatic dependent
+  launch (as in the step) or a plain one;
+- ``gap`` = step - scorer - topk: what the step costs beyond its kernels timed alone.
+
+Each time is the median over ``--rounds`` rounds, the parts timed in a rotated order. Prints a
+table; ``--json`` writes the rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PARTS = ("step", "scorer", "topk", "pair", "pair_no_pdl")
+
+
+def parse_shapes(text: str) -> list[tuple[int, int]]:
+    """``"64x65536,1x4096"`` -> ``[(64, 65536), (1, 4096)]``; a ValueError for anything else."""
+    out = []
+    for part in (p for p in text.split(",") if p):
+        try:
+            b, l_ = (int(x) for x in part.split("x"))
+        except ValueError:
+            raise ValueError(f"--shapes: {part!r} is not ROWSxWIDTH (e.g. 64x65536)") from None
+        if b < 1 or l_ < 2048 or l_ % 64:
+            raise ValueError(f"--shapes: {part!r} needs rows >= 1 and a width >= 2048, a multiple of 64")
+        out.append((b, l_))
+    if not out:
+        raise ValueError("--shapes: give at least one ROWSxWIDTH")
+    return out
+
+
+def gap_row(B: int, L: int, times: dict[str, float]) -> dict:
+    """One shape's row: its times and the step's gap over its scorer plus its top-k."""
+    row = dict(B=B, L=L, **{k: round(v, 3) for k, v in times.items()})
+    row["gap"] = round(times["step"] - times["scorer"] - times["topk"], 3)
+    row["pair_gap"] = round(times["pair"] - times["scorer"] - times["topk"], 3)
+    return row
+
+
+def table(rows: list[dict]) -> str:
+    cols = ("B", "L", *PARTS, "gap", "pair_gap")
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---:|" * len(cols)]
+    for r in rows:
+        lines.append("| " + " | ".join(str(r.get(c, "-")) for c in cols) + " |")
+    return "\n".join(lines)
+
+
+def measure(B: int, L: int, rounds: int) -> dict[str, float]:
+    """The median time of each part over ``rounds`` rotated rounds (CUDA graphs of rotated inputs)."""
+    sys.path.insert(0, HERE)
+    import indexer as ix
+
+    from vllm_sparse_sync.kernels import triton_ops as tk
+    from vllm_sparse_sync.kernels.scorer import launch_score
+    from vllm_sparse_sync.kernels.workspace import IndexerTopkWorkspace
+
+    copies = max(2, min(128, math.ceil(ix.L2_BYTES / (B * L * 132))))
+    ncalls = max(12, copies)
+    inp = ix.Inputs(B, L, copies)
+    ws = IndexerTopkWorkspace(max(B, ix.SERVING_ROWS), ix.TOPK, ix.WIDE, ix.DEV)
+    route = ws.route(B, L, ix.PAGE)
+    out = torch.empty(B, ix.TOPK, dtype=torch.int32, device=ix.DEV)
+    logits = ws.logits
+
+    def score(i):
+        launch_score(*inp.args(i), None, logits, page_size=ix.PAGE, sel_width=L, fill_width=0,
+                     splits=route.score_splits, config=ws.config.scorer, kind=route.scorer)
+
+    def select(pdl=True):
+        if route.topk_cluster and not pdl:
+            from vllm_sparse_sync.kernels.cuda_topk import launch_cuda_topk_cluster
+
+            launch_cuda_topk_cluster(logits, logits.stride(0), inp.lens, None, out, ix.TOPK, L, nan_low=False,
+                                     cluster=route.topk_cluster, cap=route.topk_cap, pdl=False)
+        else:
+            tk._launch_topk(route, logits, inp.lens, None, ws, out, ix.TOPK, L, nan_low=False)
+
+    makers = {
+        "step": lambda i: lambda: tk.indexer_topk(*inp.args(i), ix.TOPK, width=L, workspace=ws, out=out),
+        "scorer": lambda i: lambda: score(i),
+        "topk": lambda i: lambda: select(),
+        "pair": lambda i: lambda: (score(i), select()),
+        "pair_no_pdl": lambda i: lambda: (score(i), select(pdl=False)),
+    }
+    tk.indexer_topk(*inp.args(0), ix.TOPK, width=L, workspace=ws, out=out)  # the logits the top-k reads
+    seen: dict[str, list[float]] = {p: [] for p in PARTS}
+    for k in range(rounds):
+        for j in range(len(PARTS)):
+            part = PARTS[(k + j) % len(PARTS)]
+            seen[part].append(ix.timeit(makers[part], ncalls))
+    print(f"  {B}x{L}: route {route.kind}, scorer {route.scorer}, cluster {route.topk_cluster}, "
+          f"{ncalls} calls a graph", flush=True)
+    return {p: statistics.median(v) for p, v in seen.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default="64x65536,32x65536,1x4096")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--json", default="")
+    a = ap.parse_args()
+    try:
+        shapes = parse_shapes(a.shapes)
+    except ValueError as exc:
+        ap.error(str(exc))
+    if a.rounds < 1:
+        ap.error(f"--rounds: must be >= 1, got {a.rounds}")
+    if not torch.cuda.is_available():
+        print("error: benchmarks/step_parts.py times CUDA kernels and needs a CUDA device", file=sys.stderr)
+        sys.exit(2)
+    rows = []
+    for B, L in shapes:
+        rows.append(gap_row(B, L, measure(B, L, a.rounds)))
+        print(json.dumps(rows[-1]), flush=True)
+        if a.json:
+            json.dump(rows, open(a.json, "w"), indent=1)
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()
