@@ -155,3 +155,17 @@ def test_targets_table_marks_misses_and_counts_only_measured_shapes(indexer):
     assert lines[4] == "| 64 | 65536 | - | 1.050 (miss) | 0.800 | - |"
     assert lines[-1] == ("met: top-k / best peer top-k 0/1, exact step / peer stack 2/3, "
                          "fp8 step / peer stack 2/3, fused step / peer stack (rows <= 8) 2/2")
+
+
+def test_step_parts_reads_shapes_and_computes_the_gap():
+    spec = importlib.util.spec_from_file_location("step_parts_bench", PATH.parent / "step_parts.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.parse_shapes("64x65536,1x4096") == [(64, 65536), (1, 4096)]
+    for bad in ("64", "0x4096", "1x1000", "1x4100", ""):
+        with pytest.raises(ValueError):
+            mod.parse_shapes(bad)
+    row = mod.gap_row(64, 65536, dict(step=166.0, scorer=142.5, topk=21.0, pair=165.0, pair_no_pdl=164.0))
+    assert row["gap"] == pytest.approx(2.5) and row["pair_gap"] == pytest.approx(1.5)
+    lines = mod.table([row]).splitlines()
+    assert lines[0].split(" | ")[-2:] == ["gap", "pair_gap |"] and "| 2.5 | 1.5 |" in lines[2]
