@@ -38,8 +38,9 @@ def test_second_call_is_a_hit_with_the_same_bytes(tmp_path):
     assert _cached(tmp_path, fn) == (fn.out, "compiled")
     assert _cached(tmp_path, fn) == (fn.out, "cache")
     assert fn.calls == 1
-    assert len([p for p in os.listdir(tmp_path) if p.endswith(".cubin")]) == 1
+    (entry,) = [p for p in os.listdir(tmp_path) if p.endswith(".cubin")]
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".tmp-")]
+    assert os.stat(tmp_path / entry).st_mode & 0o444 == 0o444  # other users' processes can read it
 
 
 FIELDS = ("text", "name", "target", "options", "compiler")

@@ -2,7 +2,9 @@
 
 An entry is named by a digest of everything the cubin depends on (source text, target, options,
 the compiler's version) and ends with a digest of its own bytes; an entry that fails that check
-is a miss. The cache only ever saves time: when the folder cannot be read or written, the call
+is a miss (the digest guards against damage, not tampering: the folder is trusted as Triton's
+cache is). Entries are readable by every user (an image prebuilt as root serves a non-root
+process). The cache only ever saves time: when the folder cannot be read or written, the call
 compiles as if there were none.
 
 ``VLLM_SPARSE_SYNC_CACHE_DIR`` moves the folder (default ``$XDG_CACHE_HOME/vllm_sparse_sync/nvrtc``,
@@ -70,6 +72,7 @@ def write_entry(directory: str, key: str, data: bytes) -> bool:
         fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
         with os.fdopen(fd, "wb") as f:
             f.write(bytes(data) + hashlib.sha256(bytes(data)).digest())
+        os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide a prebuilt entry from other users
         os.replace(tmp, entry_path(directory, key))
         return True
     except OSError:
