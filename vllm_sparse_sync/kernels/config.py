@@ -65,9 +65,10 @@ class ScorerConfig:
     cuda_narrow_rows: int = 0
     """Calls of at most this many rows run the CUDA scorer built with ``cuda_scorer.NARROW_CONSUMERS``
     consumer warpgroups a CTA instead of ``cuda_scorer.CONSUMERS`` (0: never). Chosen from the row
-    count only, never the width bound. Opt-in (1: one-row calls): in processes that had loaded
-    DeepGEMM and vLLM's kernels its first launch did not finish within minutes
-    (benchmarks/NOTES.md, session 22)."""
+    count only, never the width bound. Opt-in (1: one-row calls): on some machines, in processes
+    that had loaded DeepGEMM, vLLM's kernels, the CUDA top-k and SGLang's cubin together, its first
+    launch did not finish within minutes, with cubins that finished elsewhere (benchmarks/NOTES.md,
+    sessions 22-23)."""
     launch_dependents: bool = True
     """Each program lets the next kernel launch as it starts (``griddepcontrol.launch_dependents``,
     where Triton has it): the step's CUDA top-k, a programmatic dependent launch, is then resident
