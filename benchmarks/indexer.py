@@ -719,7 +719,11 @@ def main() -> None:
     if a.rounds < 1:
         ap.error(f"--rounds: must be >= 1, got {a.rounds}")
     if a.spread:
-        rows = spread([json.load(open(p)) for p in a.spread])
+        runs = [json.load(open(p)) for p in a.spread]
+        for run in runs:  # today's ratios from each run's times (a run older than a ratio gains it)
+            for shape in run["shapes"]:
+                derive(shape, run.get("copy_tbs", 1.0))
+        rows = spread(runs)
         print(spread_table(rows))
         if a.out:
             json.dump(dict(runs=a.spread, shapes=rows), open(a.out, "w"), indent=1)

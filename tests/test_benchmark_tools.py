@@ -6,6 +6,7 @@ cycle arithmetic; benchmarks/wide_bound.py's arguments and table."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import pathlib
 import sys
 
@@ -169,3 +170,19 @@ def test_step_parts_reads_shapes_and_computes_the_gap():
     assert row["gap"] == pytest.approx(2.5) and row["pair_gap"] == pytest.approx(1.5)
     lines = mod.table([row]).splitlines()
     assert lines[0].split(" | ")[-2:] == ["gap", "pair_gap |"] and "| 2.5 | 1.5 |" in lines[2]
+
+
+def test_spread_takes_todays_ratios_from_an_older_runs_times(indexer, tmp_path, monkeypatch, capsys):
+    shape = dict(B=1, L=4096, route="cuda_radix", step_us=7.4, step_fp8_us=7.0, step_fused_us=16.0,
+                 stack_vllm_cooperative_us=7.5, stack_vllm_cooperative_check="ok")  # no ratio stored
+    paths = []
+    for i in range(2):
+        p = tmp_path / f"run{i}.json"
+        p.write_text(json.dumps(dict(copy_tbs=4.3, shapes=[dict(shape)])))
+        paths.append(str(p))
+    monkeypatch.setattr(sys, "argv", ["indexer.py", "--spread", *paths, "--out", str(tmp_path / "s.json")])
+    indexer.main()
+    (row,) = json.loads((tmp_path / "s.json").read_text())["shapes"]
+    assert row["fused_over_peer_stack"]["runs"] == 2 and row["fused_over_peer_stack"]["met"] == 0
+    assert row["ours_over_peer_stack"]["median"] == pytest.approx(7.4 / 7.5)
+    assert "2.13 [2.13, 2.13] 0/2 <= 0.8" in capsys.readouterr().out
