@@ -148,3 +148,24 @@ def test_module_cubin_compiles_once_then_loads_from_disk(tmp_path, monkeypatch):
     monkeypatch.setattr(cuda_topk, "compiler_identity", lambda: "NVRTC 99.0; cuda-bindings x")
     with pytest.raises(AssertionError, match="compiled although"):
         cuda_topk.module_cubin("sm_90", text=text, name="probe.cu")
+
+
+def _race_one(args):
+    directory, i = args
+    data = bytes(range(256)) * 64  # the same cubin from every process, as one compile gives
+    got, origin = nvrtc_cache.cached(lambda: data, text="t", name="k.cu", target="sm_90", compiler="c",
+                                     environ={nvrtc_cache.DIR_ENV: directory})
+    return got == data, origin
+
+
+def test_processes_racing_on_one_entry_all_get_whole_cubins(tmp_path):
+    """Eight processes asking for one missing entry at once: each gets the whole cubin (its own
+    compile or another's entry, never a torn one), one entry is left and no temporary file."""
+    import multiprocessing as mp
+
+    with mp.get_context("spawn").Pool(4) as pool:
+        results = pool.map(_race_one, [(str(tmp_path), i) for i in range(8)])
+    assert all(ok for ok, _ in results), results
+    assert {origin for _, origin in results} <= {"compiled", "cache"}
+    assert sorted(os.listdir(tmp_path)) == [nvrtc_cache.entry_key("t", "k.cu", "sm_90", (), "c") + ".cubin"]
+    assert _race_one((str(tmp_path), 8)) == (True, "cache")
