@@ -21,13 +21,13 @@ top-k cubin, ``benchmarks/peers_sglang.sh``); all four fit one device transfer t
 passing set check) is what ``topk_over_best_peer`` divides by. ``best_peer_step_us`` adds
 DeepGEMM's time alone to it; ``peer_stack_us`` times DeepGEMM then each peer top-k in one graph
 (the top-k reading the logits DeepGEMM just wrote, as ours does) and takes the fastest whose
-selection checks. ``--spread``
-takes runs of one build and prints each shape's same-run ratios across them (median, lowest,
-highest, and how many runs met 1.0 / 0.9): how far a ratio moves from run to run. ``--rounds N``
-times ours and every peer N times a shape, round k starting with the k-th of them (a sustained
-shape slows the device as it runs, so whoever is timed first gains); each time is the median
-over the rounds, every round kept under ``rounds``. After the table of times, a table of the
-speed targets (``TARGETS``: each shape's ratio, the misses marked, how many shapes met each).
+selection checks. ``--spread`` takes runs of one build and prints each shape's same-run ratios
+across them (median, lowest, highest, and how many runs met their target), each derived again
+from the run's times. ``--rounds N`` times ours and every peer N times a shape, round k
+starting with the k-th of them (a sustained shape slows the device as it runs, so whoever is
+timed first gains); each time is the median over the rounds, every round kept under ``rounds``.
+After the table of times, a table of the speed targets (``TARGETS``: each shape's ratio, the
+misses marked, how many shapes met each).
 """
 
 from __future__ import annotations
@@ -720,9 +720,9 @@ def main() -> None:
         ap.error(f"--rounds: must be >= 1, got {a.rounds}")
     if a.spread:
         runs = [json.load(open(p)) for p in a.spread]
-        for run in runs:  # today's ratios from each run's times (a run older than a ratio gains it)
-            for shape in run["shapes"]:
-                derive(shape, run.get("copy_tbs", 1.0))
+        for run in (r for r in runs if "copy_tbs" in r):  # today's ratios from each run's times
+            for shape in run["shapes"]:  # (a run older than a ratio gains it)
+                derive(shape, run["copy_tbs"])
         rows = spread(runs)
         print(spread_table(rows))
         if a.out:

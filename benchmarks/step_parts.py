@@ -10,7 +10,8 @@ of ``ncalls`` calls over rotated inputs, us a call:
 - ``scorer``: the step's scorer launch alone (same splits, same logits buffer);
 - ``topk``: the step's top-k launch alone, on the logits the scorer left in that buffer;
 - ``pair`` / ``pair_no_pdl``: the two launches in one graph, the top-k a programmatic dependent
-  launch (as in the step) or a plain one;
+  launch (as in the step) or a plain one (the cluster top-k's routes only: the one-CTA kernel
+  has no plain form, so ``-`` there);
 - ``gap`` = step - scorer - topk: what the step costs beyond its kernels timed alone.
 
 Each time is the median over ``--rounds`` rounds, the parts timed in a rotated order. Prints a
@@ -29,23 +30,10 @@ import sys
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from cold_start import parse_shapes  # noqa: E402  (the same ROWSxWIDTH list and its errors)
+
 PARTS = ("step", "scorer", "topk", "pair", "pair_no_pdl")
-
-
-def parse_shapes(text: str) -> list[tuple[int, int]]:
-    """``"64x65536,1x4096"`` -> ``[(64, 65536), (1, 4096)]``; a ValueError for anything else."""
-    out = []
-    for part in (p for p in text.split(",") if p):
-        try:
-            b, l_ = (int(x) for x in part.split("x"))
-        except ValueError:
-            raise ValueError(f"--shapes: {part!r} is not ROWSxWIDTH (e.g. 64x65536)") from None
-        if b < 1 or l_ < 2048 or l_ % 64:
-            raise ValueError(f"--shapes: {part!r} needs rows >= 1 and a width >= 2048, a multiple of 64")
-        out.append((b, l_))
-    if not out:
-        raise ValueError("--shapes: give at least one ROWSxWIDTH")
-    return out
 
 
 def gap_row(B: int, L: int, times: dict[str, float]) -> dict:
@@ -86,7 +74,7 @@ def measure(B: int, L: int, rounds: int) -> dict[str, float]:
                      splits=route.score_splits, config=ws.config.scorer, kind=route.scorer)
 
     def select(pdl=True):
-        if route.topk_cluster and not pdl:
+        if not pdl:
             from vllm_sparse_sync.kernels.cuda_topk import launch_cuda_topk_cluster
 
             launch_cuda_topk_cluster(logits, logits.stride(0), inp.lens, None, out, ix.TOPK, L, nan_low=False,
@@ -101,11 +89,12 @@ def measure(B: int, L: int, rounds: int) -> dict[str, float]:
         "pair": lambda i: lambda: (score(i), select()),
         "pair_no_pdl": lambda i: lambda: (score(i), select(pdl=False)),
     }
+    parts = PARTS if route.topk_cluster else tuple(p for p in PARTS if p != "pair_no_pdl")
     tk.indexer_topk(*inp.args(0), ix.TOPK, width=L, workspace=ws, out=out)  # the logits the top-k reads
-    seen: dict[str, list[float]] = {p: [] for p in PARTS}
+    seen: dict[str, list[float]] = {p: [] for p in parts}
     for k in range(rounds):
-        for j in range(len(PARTS)):
-            part = PARTS[(k + j) % len(PARTS)]
+        for j in range(len(parts)):
+            part = parts[(k + j) % len(parts)]
             seen[part].append(ix.timeit(makers[part], ncalls))
     print(f"  {B}x{L}: route {route.kind}, scorer {route.scorer}, cluster {route.topk_cluster}, "
           f"{ncalls} calls a graph", flush=True)

@@ -1,7 +1,8 @@
 """benchmarks/indexer.py's run arithmetic, on the CPU: ``merge_rounds`` (one shape's rotated
 rounds as one result) and ``spread`` (each shape's ratios across runs of one build); and
 benchmarks/wgmma_rate.py's source (one kernel a form, compiled by NVRTC where it is) and its
-cycle arithmetic; benchmarks/wide_bound.py's arguments and table."""
+cycle arithmetic; benchmarks/wide_bound.py's arguments and table; the argument parsing and
+arithmetic of peer_probe.py and step_parts.py."""
 
 from __future__ import annotations
 
@@ -15,13 +16,19 @@ import pytest
 PATH = pathlib.Path(__file__).parents[1] / "benchmarks" / "indexer.py"
 
 
-@pytest.fixture(scope="module")
-def indexer():
-    sys.path.insert(0, str(PATH.parent))
-    spec = importlib.util.spec_from_file_location("indexer_bench", PATH)
+def load_benchmark(name: str):
+    """The script ``benchmarks/<name>.py`` as a module (its folder on the path, as when it runs)."""
+    if str(PATH.parent) not in sys.path:
+        sys.path.insert(0, str(PATH.parent))
+    spec = importlib.util.spec_from_file_location(f"{name}_bench", PATH.parent / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+@pytest.fixture(scope="module")
+def indexer():
+    return load_benchmark("indexer")
 
 
 def test_merge_rounds_takes_each_time_s_median(indexer):
@@ -88,11 +95,7 @@ def test_the_wgmma_rate_source_compiles_one_kernel_a_form():
 
 @pytest.fixture(scope="module")
 def wide_bound():
-    path = PATH.parent / "wide_bound.py"
-    spec = importlib.util.spec_from_file_location("wide_bound_bench", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("wide_bound")
 
 
 def test_wide_bound_takes_lengths_and_tables_each_columns_fastest_repeat(wide_bound):
@@ -113,11 +116,7 @@ def test_wide_bound_takes_lengths_and_tables_each_columns_fastest_repeat(wide_bo
 
 @pytest.fixture(scope="module")
 def peer_probe():
-    path = PATH.parent / "peer_probe.py"
-    spec = importlib.util.spec_from_file_location("peer_probe_bench", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("peer_probe")
 
 
 def test_peer_probe_reads_peers_and_probe_lists(peer_probe):
@@ -159,11 +158,9 @@ def test_targets_table_marks_misses_and_counts_only_measured_shapes(indexer):
 
 
 def test_step_parts_reads_shapes_and_computes_the_gap():
-    spec = importlib.util.spec_from_file_location("step_parts_bench", PATH.parent / "step_parts.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_benchmark("step_parts")
     assert mod.parse_shapes("64x65536,1x4096") == [(64, 65536), (1, 4096)]
-    for bad in ("64", "0x4096", "1x1000", "1x4100", ""):
+    for bad in ("64", "0x4096", "1x1000", "1x4100", "", "1x0"):
         with pytest.raises(ValueError):
             mod.parse_shapes(bad)
     row = mod.gap_row(64, 65536, dict(step=166.0, scorer=142.5, topk=21.0, pair=165.0, pair_no_pdl=164.0))
