@@ -326,29 +326,3 @@ def test_the_launch_takes_the_build_of_its_row_count(monkeypatch, rows, narrow_r
     cuda_scorer.launch_cuda_score(*args, page_size=64, sel_width=128, fill_width=0, splits=5, config=cfg,
                                   module=given)
     assert len(built) == 1 and launched[-1] == ((rows, 5, 1), cuda_scorer.THREADS)
-
-
-@pytest.mark.parametrize("max_rows, flags", [(0, [1, 1, 1, 1]), (8, [1, 1, 0, 0]), (32, [1, 1, 1, 0])])
-def test_the_early_dependent_launch_follows_the_row_count(max_rows, flags):
-    """``scorer.dependents_max_rows``: the kernel's ``launch_dependents`` parameter is set for calls
-    of at most that many rows (0: every call) and never without ``launch_dependents``; the config
-    refuses a bad value by name."""
-    from vllm_sparse_sync.kernels.config import ScorerConfig
-
-    cfg = ScorerConfig(dependents_max_rows=max_rows)
-    off = ScorerConfig(dependents_max_rows=max_rows, launch_dependents=False)
-    got, got_off = [], []
-    for rows in (1, 8, 32, 64):
-        cache = torch.zeros(4, cuda_scorer.SLOT_BYTES, dtype=torch.uint8)
-        args = (torch.zeros(rows, 64, 128, dtype=torch.uint8), torch.zeros(rows, 64), cache,
-                torch.zeros(rows, 2, dtype=torch.int32), torch.zeros(rows, dtype=torch.int32), None,
-                torch.zeros(rows, 128))
-        for c, sink in ((cfg, got), (off, got_off)):
-            values = cuda_scorer.score_values(*args, page_size=64, sel_width=128, fill_width=0, config=c)
-            sink.append(values[-2].value)  # the kernel's launch_dependents (before deep_tiles)
-        assert cfg.dependents_for(rows) == bool(got[-1])
-    assert got == flags and got_off == [0, 0, 0, 0]
-    assert DEFAULT_CONFIG.scorer.dependents_max_rows == 0  # every call, until runs confirm a limit
-    for bad in (-1, 2.0, True, "8"):
-        with pytest.raises(ValueError, match="dependents_max_rows"):
-            ScorerConfig(dependents_max_rows=bad)

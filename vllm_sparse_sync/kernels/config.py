@@ -73,15 +73,6 @@ class ScorerConfig:
     """Each program lets the next kernel launch as it starts (``griddepcontrol.launch_dependents``,
     where Triton has it): the step's CUDA top-k, a programmatic dependent launch, is then resident
     and waiting when the scores are done; it still reads them only after the whole scorer."""
-    dependents_max_rows: int = 0
-    """With ``launch_dependents``: calls of more rows than this let their dependents launch only
-    when the scorer is done (0: every call lets them in early). From the row count only, never the
-    bound. 0 by default: the early launch read 0.7 us faster at 1-8 rows and 0.8-1.9 us slower from
-    32 rows up in two runs on one machine (benchmarks/NOTES.md, runs 124-125), not yet confirmed."""
-
-    def dependents_for(self, rows: int) -> bool:
-        """Whether a scorer call of ``rows`` rows lets its dependents launch as it starts."""
-        return self.launch_dependents and (self.dependents_max_rows == 0 or rows <= self.dependents_max_rows)
 
     def __post_init__(self) -> None:
         _flag("scorer.cuda", self.cuda)
@@ -91,9 +82,6 @@ class ScorerConfig:
         _positive("scorer.stages", self.stages)
         _positive("scorer.ctas_per_sm", self.ctas_per_sm)
         _positive("scorer.cuda_ctas_per_sm", self.cuda_ctas_per_sm)
-        if not _is_int(self.dependents_max_rows) or self.dependents_max_rows < 0:
-            raise ValueError(f"scorer.dependents_max_rows: an int >= 0 (0: every call), "
-                             f"got {self.dependents_max_rows!r}")
         if not _is_int(self.cuda_narrow_rows) or self.cuda_narrow_rows < 0:
             raise ValueError(f"scorer.cuda_narrow_rows: an int >= 0 (0: never), "
                              f"got {self.cuda_narrow_rows!r}")

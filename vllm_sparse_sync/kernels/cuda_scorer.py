@@ -248,6 +248,6 @@ def score_values(q_fp8, weights, k_cache, block_table, row_lens, active, out, *,
         ctypes.c_int(sel_width),
         ctypes.c_int(block_table.shape[1] * page_size),
         ctypes.c_int(fill_width),
-        ctypes.c_int(int(config.dependents_for(q_fp8.shape[0]))),
+        ctypes.c_int(int(config.launch_dependents)),
         ctypes.c_int(deep_tiles),
     )

@@ -163,7 +163,7 @@ def launch_score(
         H=heads, D=head_dim, PAGE=page_size, TILE=config.tile,
         HAS_ACTIVE=has_active, FILL_TAIL=fill_width > 0, NUM_STAGES=config.stages,
         PRECISE=config.precise, SCALAR_PAGE=config.tile == page_size and k_cache.shape[0] > 0,
-        LAUNCH_DEPENDENTS=config.dependents_for(rows) and can_launch_dependents(out.device),
+        LAUNCH_DEPENDENTS=config.launch_dependents and can_launch_dependents(out.device),
         num_warps=config.warps,
     )
 
