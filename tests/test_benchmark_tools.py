@@ -2,7 +2,8 @@
 rounds as one result) and ``spread`` (each shape's ratios across runs of one build); and
 benchmarks/wgmma_rate.py's source (one kernel a form, compiled by NVRTC where it is) and its
 cycle arithmetic; benchmarks/wide_bound.py's arguments and table; the argument parsing and
-arithmetic of peer_probe.py and step_parts.py."""
+arithmetic of peer_probe.py, step_parts.py and step_drift.py; graph_timer.py's interleaved
+timing."""
 
 from __future__ import annotations
 
@@ -150,11 +151,59 @@ def test_targets_table_marks_misses_and_counts_only_measured_shapes(indexer):
     assert "fused_over_peer_stack" not in rows[2]  # above 8 rows the fused target does not apply
     text = indexer.targets_table(rows)
     lines = text.splitlines()
-    assert lines[2] == "| 1 | 4096 | 1.143 (miss) | 0.900 | 0.850 | 0.750 |"
-    assert lines[3] == "| 4 | 4096 | - | 0.800 | 0.950 (miss) | 0.800 |"
-    assert lines[4] == "| 64 | 65536 | - | 1.050 (miss) | 0.800 | - |"
+    assert lines[2] == "| 1 | 4096 | 1.143 (miss) | 0.900 | 0.850 | - | - | 0.750 |"
+    assert lines[3] == "| 4 | 4096 | - | 0.800 | 0.950 (miss) | - | - | 0.800 |"
+    assert lines[4] == "| 64 | 65536 | - | 1.050 (miss) | 0.800 | - | - | - |"
     assert lines[-1] == ("met: top-k / best peer top-k 0/1, exact step / peer stack 2/3, "
-                         "fp8 step / peer stack 2/3, fused step / peer stack (rows <= 8) 2/2")
+                         "fp8 step / peer stack 2/3, exact step / peer stack, interleaved 0/0, "
+                         "fp8 step / peer stack, interleaved 0/0, fused step / peer stack (rows <= 8) 2/2")
+
+
+def test_derive_takes_interleaved_ratios_against_the_fastest_checked_stack(indexer):
+    res = dict(B=64, L=65536, il_step_us=165.0, il_step_fp8_us=160.0,
+               il_stack_vllm_cooperative_us=150.0, stack_vllm_cooperative_check="differs",
+               il_stack_vllm_persistent_us=165.0, stack_vllm_persistent_check="ok",
+               il_stack_sgl_us=200.0, stack_sgl_check="ok")
+    out = indexer.derive(dict(res), bw=4.0)
+    assert out["il_peer_stack_topk"] == "vllm_persistent"  # the faster cooperative stack failed its check
+    assert out["il_ours_over_peer_stack"] == pytest.approx(1.0)
+    assert out["il_ours_fp8_over_peer_stack"] == pytest.approx(160 / 165)
+    line = indexer.targets_table([out]).splitlines()[2]
+    assert line == "| 64 | 65536 | - | - | - | 1.000 | 0.970 (miss) | - |"
+    del res["stack_vllm_persistent_check"], res["stack_sgl_check"]  # no checked stack: no ratio
+    assert "il_ours_over_peer_stack" not in indexer.derive(dict(res), bw=4.0)
+
+
+def test_rotation_puts_every_graph_in_every_place(indexer):
+    from graph_timer import rotation
+
+    names = ["step", "step_fp8", "stack_a", "stack_b"]
+    orders = [rotation(names, it) for it in range(2 * len(names))]
+    for order in orders:
+        assert sorted(order) == sorted(names)
+    for pos in range(len(names)):  # each name in each place twice over 2k rounds
+        assert sorted(o[pos] for o in orders) == sorted(names * 2)
+    assert orders[1] == orders[0][::-1]  # odd rounds reversed: the last of one round leads the next
+
+
+def test_interleaved_timing_cancels_a_clock_drift(indexer, monkeypatch):
+    import graph_timer
+
+    clock = {"t": 0}
+
+    def fake_replay(graph, ncalls):  # every graph costs 10 us a call, plus a drift of 0.1 a replay
+        clock["t"] += 1
+        return 10.0 + 0.1 * clock["t"]
+
+    monkeypatch.setattr(graph_timer, "capture", lambda calls: object())
+    monkeypatch.setattr(graph_timer, "replay_us", fake_replay)
+    got = graph_timer.interleaved_replay_us({"ours": [None] * 12, "peer": [None] * 12}, 15)
+    assert abs(got["ours"] - got["peer"]) <= 0.1 + 1e-9  # equal costs read equal, drift or not
+    clock["t"] = 0
+    apart = {n: graph_timer.graph_replay_us([None] * 12, 15) for n in ("ours", "peer")}  # one slot each
+    assert apart["peer"] - apart["ours"] >= 1.4  # the later slot reads 15 replays' drift slower
+    with pytest.raises(ValueError, match="iters"):
+        graph_timer.interleaved_replay_us({"ours": [None]}, 0)
 
 
 def test_step_parts_reads_shapes_and_computes_the_gap():
@@ -183,3 +232,14 @@ def test_spread_takes_todays_ratios_from_an_older_runs_times(indexer, tmp_path, 
     assert row["fused_over_peer_stack"]["runs"] == 2 and row["fused_over_peer_stack"]["met"] == 0
     assert row["ours_over_peer_stack"]["median"] == pytest.approx(7.4 / 7.5)
     assert "2.13 [2.13, 2.13] 0/2 <= 0.8" in capsys.readouterr().out
+
+
+def test_step_drift_summarises_the_gpu_samples_of_a_window():
+    mod = load_benchmark("step_drift")
+    sampler = object.__new__(mod.Sampler)  # no nvidia-smi: the samples as its reader would store them
+    sampler.samples = [(1.0, 1980.0, 300.0, 45.0, "0x0"), (2.0, 1770.0, 650.0, 52.0, "0x4"),
+                       (3.0, 1905.0, 500.0, 50.0, "0x4"), (9.0, 345.0, 80.0, 40.0, "0x1")]
+    got = sampler.window(1.5, 3.5)
+    assert got == dict(samples=2, sm_mhz_min=1770.0, sm_mhz_max=1905.0, power_w_max=650.0, temp_c=52.0,
+                       reasons=["0x4"])
+    assert sampler.window(4.0, 8.0) == {"samples": 0}  # no sample in the window: nothing made up
