@@ -8,10 +8,9 @@ from collections.abc import Callable, Sequence
 import torch
 
 
-def graph_replay_us(calls: Sequence[Callable[[], object]], iters: int) -> float:
-    """Median microseconds per call: the calls warmed up eagerly (the first two also on a side
-    stream, as capture wants), captured in one CUDA graph, the graph replayed ``iters`` times
-    between CUDA events."""
+def capture(calls: Sequence[Callable[[], object]]) -> torch.cuda.CUDAGraph:
+    """The calls warmed up eagerly (the first two also on a side stream, as capture wants), then
+    captured in one CUDA graph, replayed once."""
     for c in calls[:3]:
         c()
     torch.cuda.synchronize()
@@ -28,13 +27,48 @@ def graph_replay_us(calls: Sequence[Callable[[], object]], iters: int) -> float:
             c()
     graph.replay()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000.0 / len(calls))
+    return graph
+
+
+def replay_us(graph: torch.cuda.CUDAGraph, ncalls: int) -> float:
+    """Microseconds per call of one replay of ``graph`` (``ncalls`` calls), between CUDA events."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1000.0 / ncalls
+
+
+def graph_replay_us(calls: Sequence[Callable[[], object]], iters: int) -> float:
+    """Median microseconds per call: the calls captured in one CUDA graph (``capture``), the graph
+    replayed ``iters`` times between CUDA events."""
+    graph = capture(calls)
+    times = [replay_us(graph, len(calls)) for _ in range(iters)]
     del graph
     return statistics.median(times)
+
+
+def rotation(names: Sequence[str], it: int) -> list[str]:
+    """The replay order of iteration ``it``: ``names`` rotated by ``it``, reversed on odd
+    rotations, so each name runs in every position and after every other name in turn."""
+    k = len(names)
+    order = [names[(it // 2 + j) % k] for j in range(k)] if k else []
+    return order[::-1] if it % 2 else order
+
+
+def interleaved_replay_us(named: dict[str, Sequence[Callable[[], object]]], iters: int) -> dict[str, float]:
+    """Median microseconds per call of each named call list: each captured in its own graph, then
+    ``iters`` rounds that replay every graph once in ``rotation`` order, so a drift of the GPU's
+    clock (power cap, heat) over the rounds falls on every graph alike."""
+    if iters < 1:
+        raise ValueError(f"iters: must be >= 1, got {iters}")
+    graphs = {name: (capture(calls), len(calls)) for name, calls in named.items()}
+    times: dict[str, list[float]] = {name: [] for name in named}
+    names = list(named)
+    for it in range(iters):
+        for name in rotation(names, it):
+            graph, n = graphs[name]
+            times[name].append(replay_us(graph, n))
+    del graphs
+    return {name: statistics.median(v) for name, v in times.items()}

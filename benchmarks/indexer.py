@@ -26,6 +26,11 @@ across them (median, lowest, highest, and how many runs met their target), each 
 from the run's times. ``--rounds N`` times ours and every peer N times a shape, round k
 starting with the k-th of them (a sustained shape slows the device as it runs, so whoever is
 timed first gains); each time is the median over the rounds, every round kept under ``rounds``.
+With ours and a peer stack, one more slot (``interleaved``) captures our exact and fp8 steps and
+every peer stack as graphs of their own and replays them in turn (``il_*``): the H200 holds its
+700 W cap by lowering the SM clock, so whatever a slot times after a stretch of heavy work reads
+slower, and only interleaved do both sides of ``il_ours_over_peer_stack`` and
+``il_ours_fp8_over_peer_stack`` meet the same clock.
 After the table of times, a table of the speed targets (``TARGETS``: each shape's ratio, the
 misses marked, how many shapes met each).
 """
@@ -47,7 +52,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from graph_timer import graph_replay_us  # noqa: E402
+from graph_timer import graph_replay_us, interleaved_replay_us  # noqa: E402
 
 from vllm_sparse_sync.kernels import reference as ref  # noqa: E402
 from vllm_sparse_sync.kernels.config import (  # noqa: E402
@@ -123,13 +128,21 @@ class Inputs:
         return self.q, self.w, self.caches[i % len(self.caches)], t, self.lens
 
 
+def step_workspaces(B: int, L: int, config) -> tuple[IndexerTopkWorkspace, IndexerTopkWorkspace]:
+    """The exact step's workspace (a serving runner's, 128K wide) and the fp8 step's (the call's
+    own size, ``scorer.precise`` off)."""
+    ws = IndexerTopkWorkspace(max(B, SERVING_ROWS), TOPK, WIDE, DEV, config=config)
+    ws8 = IndexerTopkWorkspace(B, TOPK, L, DEV, config=config.with_values(**{"scorer.precise": False}))
+    return ws, ws8
+
+
 def bench_ours(inp: Inputs, ncalls: int, config, res: dict, algos: tuple[str, ...] = ()) -> None:
     from vllm_sparse_sync.kernels import triton_ops as tk
     from vllm_sparse_sync.kernels.route import TRITON
     from vllm_sparse_sync.kernels.scorer import launch_score
 
     B, L = inp.B, inp.L
-    ws = IndexerTopkWorkspace(max(B, SERVING_ROWS), TOPK, WIDE, DEV, config=config)
+    ws, ws8 = step_workspaces(B, L, config)
     out = torch.empty(B, TOPK, dtype=torch.int32, device=DEV)
     active = torch.tensor([L], dtype=torch.int32, device=DEV)
     kind = ws.route(B, L, PAGE).scorer
@@ -145,8 +158,7 @@ def bench_ours(inp: Inputs, ncalls: int, config, res: dict, algos: tuple[str, ..
 
     res["scorer_us"] = timeit(scorer, ncalls)
     # the same step with the fp8 tensor-core dot (DeepGEMM's numerics) instead of the exact fp16 one
-    cfg8 = config.with_values(**{"scorer.precise": False})
-    ws8 = IndexerTopkWorkspace(B, TOPK, L, DEV, config=cfg8)
+    cfg8 = ws8.config
     kind8 = ws8.route(B, L, PAGE).scorer
     res["scorer_fp8_us"] = timeit(lambda i: scorer(i, cfg8.scorer, ws8.logits, kind8), ncalls)
     if kind != TRITON:  # the Triton scorer beside it and the step it makes; the CUDA e4m3 kernel
@@ -480,14 +492,8 @@ def peer_topk_makers(vt, fi, sgl, inp: Inputs) -> dict:
     return makers
 
 
-def bench_peer_stack(peers, inp: Inputs, ncalls: int, res: dict) -> None:
-    """The peer stack as it runs: DeepGEMM's logits, then each peer top-k on them, in one graph
-    (``stack_<name>_us``; the top-k reads what DeepGEMM just wrote, as our step's top-k reads the
-    scorer's logits). Each stack's selection is checked on DeepGEMM's own logits
-    (``stack_<name>_check``)."""
-    from vllm_sparse_sync.kernels.verify import topk_violations
-
-    dg, vt, fi, sgl = peers
+def deepgemm_logits(dg, inp: Inputs):
+    """``logits(i)``: DeepGEMM's paged logits of input copy ``i`` (exact width L), as a call."""
     B, L = inp.B, inp.L
     nsm = torch.cuda.get_device_properties(0).multi_processor_count
     q4 = inp.q.view(B, 1, H, D)
@@ -499,6 +505,19 @@ def bench_peer_stack(peers, inp: Inputs, ncalls: int, res: dict) -> None:
         kv = cache.view(cache.shape[0], PAGE, 1, D + 4)
         return dg.fp8_fp4_paged_mqa_logits((q4, None), kv, inp.w, lens2, table, sched, L)
 
+    return logits
+
+
+def bench_peer_stack(peers, inp: Inputs, ncalls: int, res: dict) -> None:
+    """The peer stack as it runs: DeepGEMM's logits, then each peer top-k on them, in one graph
+    (``stack_<name>_us``; the top-k reads what DeepGEMM just wrote, as our step's top-k reads the
+    scorer's logits). Each stack's selection is checked on DeepGEMM's own logits
+    (``stack_<name>_check``)."""
+    from vllm_sparse_sync.kernels.verify import topk_violations
+
+    dg, vt, fi, sgl = peers
+    B = inp.B
+    logits = deepgemm_logits(dg, inp)
     try:
         makers = peer_topk_makers(vt, fi, sgl, inp)
     except Exception as exc:  # a peer's setup failing must not cost the round the other benches
@@ -519,6 +538,42 @@ def bench_peer_stack(peers, inp: Inputs, ncalls: int, res: dict) -> None:
         except Exception as exc:  # e.g. vLLM's cooperative top-k serves <= 64 rows only
             res[f"stack_{name}_err"] = str(exc).splitlines()[0][:120]
             torch.cuda.synchronize()
+
+
+def bench_interleaved(peers, inp: Inputs, ncalls: int, config, res: dict, iters: int = 15) -> None:
+    """Our exact and fp8 steps and every peer stack, each its own graph, replayed in turn
+    (``graph_timer.interleaved_replay_us``): ``il_step_us``, ``il_step_fp8_us``,
+    ``il_stack_<name>_us``. Timed in separate slots, a later slot can meet a lower clock (the
+    H200 holds 700 W by lowering it: benchmarks/NOTES.md, session 24); interleaved, every graph
+    meets the same drift, so their ratios are the fair ones."""
+    from vllm_sparse_sync.kernels import triton_ops as tk
+
+    dg, vt, fi, sgl = peers
+    B, L = inp.B, inp.L
+    ws, ws8 = step_workspaces(B, L, config)
+    out = torch.empty(B, TOPK, dtype=torch.int32, device=DEV)
+    named = {
+        "il_step_us": [lambda i=i: tk.indexer_topk(*inp.args(i), TOPK, width=L, workspace=ws, out=out)
+                       for i in range(ncalls)],
+        "il_step_fp8_us": [lambda i=i: tk.indexer_topk(*inp.args(i), TOPK, width=L, workspace=ws8, out=out)
+                           for i in range(ncalls)],
+    }
+    logits = deepgemm_logits(dg, inp)
+    makers = peer_topk_makers(vt, fi, sgl, inp)
+    makers.pop("out")
+    for name in STACK_TOPKS:
+        if name not in makers:
+            continue
+        calls = [lambda i=i, make=makers[name]: make(logits(i))() for i in range(ncalls)]
+        try:  # a top-k that refuses the shape (vLLM's cooperative: <= 64 rows) stays out
+            calls[0]()
+            torch.cuda.synchronize()
+        except Exception as exc:
+            torch.cuda.synchronize()
+            res[f"il_stack_{name}_err"] = str(exc).splitlines()[0][:120]
+            continue
+        named[f"il_stack_{name}_us"] = calls
+    res.update(interleaved_replay_us(named, iters))
 
 
 PEER_TOPK_KEYS = ("vllm_persistent_topk_us", "vllm_cooperative_topk_us", "fi_auto_topk_us",
@@ -554,6 +609,13 @@ def derive(res: dict, bw: float) -> dict:
         fused = res.get("step_us") if res.get("route") == "fused" else res.get("step_fused_us")
         if B <= FUSED_TARGET_ROWS and fused is not None:
             res["fused_over_peer_stack"] = fused / stacks[best]
+    il_stacks = {n: res[f"il_stack_{n}_us"] for n in STACK_TOPKS
+                 if f"il_stack_{n}_us" in res and res.get(f"stack_{n}_check") == "ok"}
+    if il_stacks and "il_step_us" in res:
+        best = min(il_stacks, key=il_stacks.get)
+        res["il_peer_stack_topk"] = best
+        res["il_ours_over_peer_stack"] = res["il_step_us"] / il_stacks[best]
+        res["il_ours_fp8_over_peer_stack"] = res["il_step_fp8_us"] / il_stacks[best]
     return res
 
 
@@ -562,6 +624,8 @@ FUSED_TARGET_ROWS = 8
 TARGETS = (("topk_over_best_peer", 1.0, "top-k / best peer top-k"),
            ("ours_over_peer_stack", 1.0, "exact step / peer stack"),
            ("ours_fp8_over_peer_stack", 0.9, "fp8 step / peer stack"),
+           ("il_ours_over_peer_stack", 1.0, "exact step / peer stack, interleaved"),
+           ("il_ours_fp8_over_peer_stack", 0.9, "fp8 step / peer stack, interleaved"),
            ("fused_over_peer_stack", 0.8, f"fused step / peer stack (rows <= {FUSED_TARGET_ROWS})"))
 """the speed targets: ratio field, the most it may be, its heading"""
 
@@ -600,7 +664,8 @@ COLS = [("B", "{}"), ("L", "{}"), ("route", "{}"), ("scorer_us", "{:.1f}"), ("to
         ("topk_over_best_peer", "{:.2f}"), ("best_peer_step_us", "{:.1f}"),
         ("ours_over_best_peer", "{:.2f}"), ("ours_fp8_over_best_peer", "{:.2f}"),
         ("peer_stack_us", "{:.1f}"), ("ours_over_peer_stack", "{:.2f}"),
-        ("ours_fp8_over_peer_stack", "{:.2f}")]
+        ("ours_fp8_over_peer_stack", "{:.2f}"), ("il_step_us", "{:.1f}"), ("il_step_fp8_us", "{:.1f}"),
+        ("il_ours_over_peer_stack", "{:.3f}"), ("il_ours_fp8_over_peer_stack", "{:.3f}")]
 
 
 def table(rows: list[dict]) -> str:
@@ -641,6 +706,7 @@ def merge_rounds(rounds: list[dict]) -> dict:
 
 SPREAD_RATIOS = (("topk_over_best_peer", 1.0), ("ours_over_best_peer", 1.0), ("ours_fp8_over_best_peer", 0.9),
                  ("ours_over_peer_stack", 1.0), ("ours_fp8_over_peer_stack", 0.9),
+                 ("il_ours_over_peer_stack", 1.0), ("il_ours_fp8_over_peer_stack", 0.9),
                  ("fused_over_peer_stack", 0.8))
 """the ratios ``spread`` reports, each with the target it counts runs against"""
 
@@ -784,6 +850,9 @@ def main() -> None:
                 benches.append((fn.__name__[6:], lambda r, i, n, fn=fn, peer=peer: fn(peer, i, n, r)))
         if dg is not None and (vt, fi, sgl) != (None, None, None):
             benches.append(("peer_stack", lambda r, i, n: bench_peer_stack((dg, vt, fi, sgl), i, n, r)))
+            if not a.peers_only:
+                benches.append(("interleaved", lambda r, i, n: bench_interleaved((dg, vt, fi, sgl), i, n,
+                                                                                 config, r)))
         rounds = []
         for k in range(a.rounds):
             one = dict(B=B, L=L, copies=copies, calls_per_graph=ncalls)
