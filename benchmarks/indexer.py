@@ -573,7 +573,11 @@ def bench_interleaved(peers, inp: Inputs, ncalls: int, config, res: dict, iters:
             res[f"il_stack_{name}_err"] = str(exc).splitlines()[0][:120]
             continue
         named[f"il_stack_{name}_us"] = calls
-    res.update(interleaved_replay_us(named, iters))
+    try:  # a failure here must not cost the round its other slots
+        res.update(interleaved_replay_us(named, iters))
+    except Exception as exc:
+        torch.cuda.synchronize()
+        res["il_err"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
 
 
 PEER_TOPK_KEYS = ("vllm_persistent_topk_us", "vllm_cooperative_topk_us", "fi_auto_topk_us",
