@@ -144,6 +144,10 @@ def main() -> None:
         if C > 8:
             ct._check(drv.cuFuncSetAttribute(fn, attr.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1),
                       "non-portable cluster size")
+        static = ct._check(drv.cuFuncGetAttribute(attr.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, fn),
+                           "static smem")
+        print(f"variant C={C}: static shared memory {int(static)} bytes (reserve {ct.STATIC_SMEM_RESERVE})",
+              flush=True)
         return fn
 
     rows = []
