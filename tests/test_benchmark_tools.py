@@ -257,3 +257,13 @@ def test_cluster16_probe_patches_the_shipped_source_and_keeps_only_its_kernels()
     assert "u32 part[2][16];" in text and "C == 16 ? 4" in text
     with pytest.raises(ValueError, match="no longer holds"):  # a source the patches no longer fit
         mod.variant_source(text)
+
+
+def test_cold_l2_table_shows_each_parts_cold_cost():
+    mod = load_benchmark("cold_l2")
+    rows = [dict(B=1, L=131072, step_warm_us=20.5, step_cold_us=21.4, topk_warm_us=12.5, topk_cold_us=13.0),
+            dict(B=8, L=65536, step_warm_us=32.5, step_cold_us=33.5)]
+    lines = mod.table(rows).splitlines()
+    assert lines[0] == "| B | L | step warm / cold / + | topk warm / cold / + |"  # parts no row has: left out
+    assert lines[2] == "| 1 | 131072 | 20.50 / 21.40 / +0.90 | 12.50 / 13.00 / +0.50 |"
+    assert lines[3] == "| 8 | 65536 | 32.50 / 33.50 / +1.00 | - |"
