@@ -2,8 +2,8 @@
 rounds as one result) and ``spread`` (each shape's ratios across runs of one build); and
 benchmarks/wgmma_rate.py's source (one kernel a form, compiled by NVRTC where it is) and its
 cycle arithmetic; benchmarks/wide_bound.py's arguments and table; the argument parsing and
-arithmetic of peer_probe.py, step_parts.py and step_drift.py; cluster16_probe.py's source
-variant; graph_timer.py's interleaved timing."""
+arithmetic of peer_probe.py, step_parts.py and step_drift.py; cold_l2.py's table;
+graph_timer.py's interleaved timing."""
 
 from __future__ import annotations
 
@@ -243,20 +243,6 @@ def test_step_drift_summarises_the_gpu_samples_of_a_window():
     assert got == dict(samples=2, sm_mhz_min=1770.0, sm_mhz_max=1905.0, power_w_max=650.0, temp_c=52.0,
                        reasons=["0x4"])
     assert sampler.window(4.0, 8.0) == {"samples": 0}  # no sample in the window: nothing made up
-
-
-def test_cluster16_probe_patches_the_shipped_source_and_keeps_only_its_kernels():
-    mod = load_benchmark("cluster16_probe")
-    from vllm_sparse_sync.kernels import cuda_topk
-
-    text = mod.variant_source(cuda_topk.source())
-    kernels = [line for line in text.splitlines() if line.startswith("TOPK_CLUSTER_KERNEL(")]
-    assert sorted(kernels) == ["TOPK_CLUSTER_KERNEL(16, 1024, 0)", "TOPK_CLUSTER_KERNEL(16, 1024, 1)",
-                               "TOPK_CLUSTER_KERNEL(8, 1024, 0)", "TOPK_CLUSTER_KERNEL(8, 1024, 1)"]
-    assert not any(line.startswith(("TOPK_KERNEL(", "DCP_MERGE_KERNEL(")) for line in text.splitlines())
-    assert "u32 part[2][16];" in text and "C == 16 ? 4" in text
-    with pytest.raises(ValueError, match="no longer holds"):  # a source the patches no longer fit
-        mod.variant_source(text)
 
 
 def test_cold_l2_table_shows_each_parts_cold_cost():

@@ -128,6 +128,12 @@ def test_cluster_levels_list_small_bins():
     assert [emu.in_registers(n, t) for n, t in [(16384, 1024), (16385, 1024), (8192, 512), (8193, 512)]] == [
         True, False, True, False]
     assert emu.cluster_split(16385, 8, 16384) == emu.cluster_chunks(16385, 8)
+    # 16 CTAs split a row of at most 8 x 8192 live keys over their first 8 only
+    assert emu.cluster_split(65536, 16, 16384) == emu.cluster_chunks(65536, 8) + [(65536, 0)] * 8
+    assert emu.cluster_split(65537, 16, 16384) == emu.cluster_chunks(65537, 16)
+    assert emu.cluster_split(16385, 16, 16384, threads=512) == emu.cluster_chunks(16385, 8) + [(16385, 0)] * 8
+    assert [emu.chunks_in_registers(n, 16, 16384) for n in (20000, 65536, 65537, 262144, 262145)] == [
+        True, True, True, True, False]
     # a split row whose chunks fit the registers of a 1024-thread launch
     assert [emu.chunks_in_registers(n, c, 8192, threads=t) for n, c, t in [
         (65536, 8, 1024), (131072, 8, 1024), (131073, 8, 1024), (131072, 4, 1024), (65536, 8, 512),
@@ -246,6 +252,8 @@ def test_the_kernel_source_uses_the_emulation_constants():
     for name in ("RANGE_PAD", "SOLO_MAX", "TIE_MAX", "SOLO_TIE_MAX", "SOLO_EXP_LO"):
         assert f"#define {name} {getattr(emu, name)} " in src, name
     assert f"#define CLUSTER_UNROLL {emu.REG_GROUPS} " in src
+    assert emu.WIDE_SPLIT_KEYS == cuda_topk.WIDE_CLUSTER_MIN_KEYS == 65536
+    assert "#define WIDE_SPLIT_KEYS (8 * 8192) " in src
     assert "#define SHORT_ACT 512 " in src  # in_registers' docstring
     # a register row's hand-over ((threads - act) * 16 * act / threads words, topk_reg_body)
     # fits the keys' words of the smallest plan (cap 4) of every launch the host makes
@@ -278,7 +286,8 @@ def test_plan_cluster_table():
     plan = lambda rows, width: cuda_topk.plan_cluster(rows, width, 132, H200_SMEM)  # noqa: E731
     table = {  # (rows, width): (CTAs per row, keys per CTA)
         (1, 4096): (1, 4096), (1, 16384): (1, 16384), (1, 16388): (8, 2052), (1, 65536): (8, 8192),
-        (1, 131072): (8, 16384), (8, 65536): (8, 8192),
+        (1, 131072): (16, 16384), (2, 131072): (16, 16384), (4, 131072): (16, 16384),
+        (5, 131072): (8, 16384), (1, 65540): (16, 16384), (8, 65536): (8, 8192),
         (16, 65536): (4, 16384), (32, 16384): (1, 16384), (32, 65536): (2, 32768),
         (64, 65536): (2, 32768), (64, 131072): (2, 43520), (128, 8192): (1, 8192),
         (128, 131072): (1, 45568), (1000, 8192): (1, 8192),

@@ -28,7 +28,7 @@ DEV = "cuda"
 K = 2048
 
 
-ROUTES = ["cta", 1, 2, 4, 8, "auto"]
+ROUTES = ["cta", 1, 2, 4, 8, 16, "auto"]
 """the one-CTA-per-row kernel, then the cluster route with N CTAs per row or the planner's size"""
 
 
@@ -113,7 +113,7 @@ def test_nan_and_inf_order_like_the_one_cta_kernel(route, nan_low):
 
 
 @pytest.mark.parametrize("threads", [1024, 512])
-@pytest.mark.parametrize("cluster", [1, 2, 4, 8])
+@pytest.mark.parametrize("cluster", [1, 2, 4, 8, 16])
 def test_every_cluster_launch_size_runs(cluster, threads):
     """Every shared-memory size the planner can ask for launches (48 KB and up need the opt-in,
     the kernel's static share included), and writes the one-CTA kernel's output."""
@@ -225,7 +225,35 @@ def test_one_cta_listed_bins_of_every_size_write_the_emulated_row(n, listed, dis
         assert torch.equal(out.cpu(), want), (route, width, threads)
 
 
-@pytest.mark.parametrize("cluster", [2, 4, 8])
+def test_sixteen_ctas_split_only_rows_past_eight_ctas_worth(monkeypatch):
+    """The 16-CTA cluster runs a row of at most ``WIDE_SPLIT_KEYS`` live keys on its first 8
+    CTAs (the rest leave at once) and splits a longer one over all 16: rows of every side of that
+    edge under the 128K bound, element for element against the emulation; where the device cannot
+    launch 16 (planted), the same call runs 8 CTAs and writes the same."""
+    from vllm_sparse_sync.kernels import cuda_topk
+
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("the cluster route needs sm_90+")
+    edge = emu.WIDE_SPLIT_KEYS
+    assert edge == cuda_topk.WIDE_CLUSTER_MIN_KEYS
+    g = torch.Generator().manual_seed(16)
+    lens = torch.tensor([16385, 40000, edge - 4, edge, edge + 1, edge + 4, 100000, 131072], dtype=torch.int32)
+    x = torch.randn(len(lens), 131072, generator=g) * 7
+    x[1, :30000] = 3.0  # one value taken across the chunks of 8
+    assert [emu.split_ctas(int(n), 16) for n in lens] == [8] * 4 + [16] * 4
+    want = emu.topk_indices(x, lens, K)
+    mod = cuda_topk.module_for(0)
+    out = torch.empty(len(lens), K, dtype=torch.int32, device=DEV)
+    for able in (mod.cluster16, False):
+        monkeypatch.setattr(mod, "cluster16", able)
+        out.fill_(-7)
+        plan = cuda_topk.launch_cuda_topk_cluster(x.to(DEV), 131072, lens.to(DEV), None, out, K, 131072,
+                                                  cluster=16)
+        assert plan.cluster == (16 if able else 8)
+        assert torch.equal(out.cpu(), want), able
+
+
+@pytest.mark.parametrize("cluster", [2, 4, 8, 16])
 @pytest.mark.parametrize("exact", [True, False])
 def test_chunks_in_registers_write_the_emulated_row(cluster, exact):
     """A row the cluster splits into chunks of at most 16384 keys runs from registers on every

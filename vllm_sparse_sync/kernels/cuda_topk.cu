@@ -666,8 +666,8 @@ __device__ __forceinline__ void find_bin_of_threads(u32 v, u32 bin, u32 need, u3
 template <int C, int THREADS>
 __device__ __forceinline__ void cl_find_bin(const u32* hist, u32* glob, u32* rng, u32* part, int bits, u32 need,
                                             u32* s_warp, u32* s_res) {
-    static_assert(C == 1 || C == 2 || C == 4 || C == 8, "cluster size");  // (C == 1: not called)
-    constexpr int LOG_C = C == 8 ? 3 : (C == 4 ? 2 : (C == 2 ? 1 : 0));
+    static_assert(C == 1 || C == 2 || C == 4 || C == 8 || C == 16, "cluster size");  // (C == 1: not called)
+    constexpr int LOG_C = C == 16 ? 4 : C == 8 ? 3 : (C == 4 ? 2 : (C == 2 ? 1 : 0));
     const int tid = threadIdx.x, lane = tid & 31;
     const int rbits = bits - LOG_C;  // a range's 2^rbits bins (a warp's share an owner)
     const int nbins = 1 << bits, rs = 1 << rbits;
@@ -820,10 +820,10 @@ struct BodyScratch {
     u32 scan[CLUSTER_UNROLL * (1024 / 32)];
     u32 res[3];
     u32 sel[2];
-    u32 cnt[2 * 8];
+    u32 cnt[2 * 16];
     u32 tn;
-    u32 rng[2][8];  // cl_find_bin's local range counts of the refine passes (cleared at the start)
-    u32 part[2][8];  // and the cluster's
+    u32 rng[2][16];  // cl_find_bin's local range counts of the refine passes (cleared at the start)
+    u32 part[2][16];  // and the cluster's
 };
 
 // one row (`logits` at its first score) of n > k live keys, on this CTA (`rank` of C) of a
@@ -839,7 +839,7 @@ __device__ __forceinline__ void topk_cluster_body(const float* __restrict__ logi
     constexpr int TIE = multi ? TIE_MAX : SOLO_TIE_MAX;  // the largest bin resolved from a list
     constexpr int UNROLL = CLUSTER_UNROLL;
     static_assert(1024 % THREADS == 0 && THREADS % TIE == 0 && THREADS / TIE <= 32, "threads");
-    static_assert(C >= 1 && C <= 8, "cluster size");
+    static_assert(C >= 1 && C <= 16, "cluster size");
 
     extern __shared__ __align__(16) u32 smem[];
     u32* s_warp = sc.warp;
@@ -1177,7 +1177,9 @@ __device__ __forceinline__ void topk_reg_body(const float* __restrict__ x, int n
             reinterpret_cast<uint4*>(spare)[((tid / ACT - 1) * OWN + u) * ACT + tid % ACT] = first.q[u];
     }
     if (tid == 0) sc.tn = 0u;  // (a cluster's list counts on rank 0's)
-    if (multi && tid < 32) (tid < 16 ? &sc.rng[0][0] : &sc.part[0][0])[tid % 16] = 0u;
+    constexpr int RANGE_WORDS = (int)(sizeof(sc.rng) / sizeof(u32));  // == sizeof(sc.part) / 4
+    if (multi && tid < 2 * RANGE_WORDS)
+        (tid < RANGE_WORDS ? &sc.rng[0][0] : &sc.part[0][0])[tid % RANGE_WORDS] = 0u;
     if (multi) cl_arrive();  // after the clears; waited for before the first remote access
     __syncthreads();  // the clears (and the hand-over) before the first add
     if (R > 1 && tid >= ACT) return;
@@ -1396,6 +1398,26 @@ __device__ __forceinline__ void topk_reg_body(const float* __restrict__ x, int n
 #undef REG_POS
 }
 
+#define WIDE_SPLIT_KEYS (8 * 8192)  // cuda_topk.WIDE_CLUSTER_MIN_KEYS
+
+// a row of n live keys (more than SOLO_MAX or than cap) split over the C CTAs of this cluster:
+// a row whose chunks fit the registers runs from them on every CTA of a 1024-thread launch
+// (cuda_topk_emu.chunks_in_registers; 512 threads have 64 registers each)
+template <int C, int THREADS, bool ALIGNED>
+__device__ __forceinline__ void cluster_split_row(const float* __restrict__ x, int n, int k, int* __restrict__ o,
+                                                  int nan_low, int cap, u32 rank, const FirstKeys& first,
+                                                  BodyScratch& sc) {
+    constexpr int REG_MAX = 4 * CLUSTER_UNROLL * THREADS;
+    const int chunk = ((n + C - 1) / C + 3) & ~3;  // cuda_topk_emu.cluster_chunks
+    if (THREADS == 1024 && chunk <= REG_MAX) {  // cluster-uniform
+        const int lo = (int)rank * chunk;
+        const int len = n - lo < 0 ? 0 : (n - lo > chunk ? chunk : n - lo);
+        topk_reg_body<C, THREADS, THREADS, 0, ALIGNED>(x + lo, n, lo, len, k, o, nan_low, rank, first, nullptr, sc);
+        return;
+    }
+    topk_cluster_body<C, THREADS, ALIGNED, false>(x, n, k, o, nan_low, cap, rank, first, sc);
+}
+
 template <int C, int THREADS, bool ALIGNED>
 __device__ __forceinline__ void topk_cluster_row(const float* __restrict__ logits, i64 stride_r,
                                                  const void* lens, int lens64, const void* active,
@@ -1458,16 +1480,14 @@ __device__ __forceinline__ void topk_cluster_row(const float* __restrict__ logit
         if (rank == 0u) topk_cluster_body<1, THREADS, ALIGNED, false>(x, n, k, o, nan_low, cap, 0u, first, sc);
         return;
     }
-    // a row whose chunks fit the registers runs from them on every CTA of a 1024-thread launch
-    // (cuda_topk_emu.chunks_in_registers; 512 threads have 64 registers each)
-    const int chunk = ((n + C - 1) / C + 3) & ~3;  // cuda_topk_emu.cluster_chunks
-    if (THREADS == 1024 && chunk <= REG_MAX) {  // cluster-uniform
-        const int lo = (int)rank * chunk;
-        const int len = n - lo < 0 ? 0 : (n - lo > chunk ? chunk : n - lo);
-        topk_reg_body<C, THREADS, THREADS, 0, ALIGNED>(x + lo, n, lo, len, k, o, nan_low, rank, first, nullptr, sc);
+    // 16 CTAs split only a row of more than WIDE_SPLIT_KEYS live keys; a shorter one runs on the
+    // first 8, as a cluster of 8 (cuda_topk_emu.split_ctas; the other 8 leave now and no barrier
+    // of those 8 waits for an exited CTA, nor does any of them reach an exited CTA's memory)
+    if (C == 16 && n <= WIDE_SPLIT_KEYS) {  // cluster-uniform
+        if (rank < 8u) cluster_split_row<8, THREADS, ALIGNED>(x, n, k, o, nan_low, cap, rank, first, sc);
         return;
     }
-    topk_cluster_body<C, THREADS, ALIGNED, false>(x, n, k, o, nan_low, cap, rank, first, sc);
+    cluster_split_row<C, THREADS, ALIGNED>(x, n, k, o, nan_low, cap, rank, first, sc);
 }
 
 #define TOPK_CLUSTER_KERNEL(C, T, A)                                                               \
@@ -1489,6 +1509,8 @@ TOPK_CLUSTER_KERNEL(4, 1024, 1)
 TOPK_CLUSTER_KERNEL(4, 1024, 0)
 TOPK_CLUSTER_KERNEL(8, 1024, 1)
 TOPK_CLUSTER_KERNEL(8, 1024, 0)
+TOPK_CLUSTER_KERNEL(16, 1024, 1)  // non-portable: the host allows it where the device can
+TOPK_CLUSTER_KERNEL(16, 1024, 0)
 TOPK_CLUSTER_KERNEL(1, 512, 1)
 TOPK_CLUSTER_KERNEL(1, 512, 0)
 TOPK_CLUSTER_KERNEL(2, 512, 1)
@@ -1497,5 +1519,7 @@ TOPK_CLUSTER_KERNEL(4, 512, 1)
 TOPK_CLUSTER_KERNEL(4, 512, 0)
 TOPK_CLUSTER_KERNEL(8, 512, 1)
 TOPK_CLUSTER_KERNEL(8, 512, 0)
+TOPK_CLUSTER_KERNEL(16, 512, 1)
+TOPK_CLUSTER_KERNEL(16, 512, 0)
 
 #endif  // sm_90+

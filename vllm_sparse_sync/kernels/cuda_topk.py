@@ -1,7 +1,7 @@
 """The CUDA top-k route (``cuda_radix``): ``cuda_topk.cu`` compiled at run time by NVRTC.
 
 Two kernels, one output: ``launch_cuda_topk`` (one CTA per row, any CUDA GPU from sm_70) and,
-on sm_90+, ``launch_cuda_topk_cluster`` (a thread-block cluster of 1-8 CTAs per row holding the
+on sm_90+, ``launch_cuda_topk_cluster`` (a thread-block cluster of 1-16 CTAs per row holding the
 row's keys in shared memory and summing histograms over distributed shared memory; sized by
 the pure ``plan_cluster``). Both write the positions ``cuda_topk_emu.topk_row`` specifies.
 
@@ -37,10 +37,18 @@ MIN_CAPABILITY = (7, 0)
 _STATIC_SMEM_LIMIT = 48 * 1024
 HIST_BINS = 2048
 # the cluster route (sm_90+): CTAs per row compiled in cuda_topk.cu, threads per CTA
-CLUSTER_SIZES = (1, 2, 4, 8)
+CLUSTER_SIZES = (1, 2, 4, 8, 16)
 CLUSTER_THREADS = (1024, 512)
 CLUSTER_MIN_CAPABILITY = (9, 0)
-STATIC_SMEM_RESERVE = 1024
+PORTABLE_CLUSTER = 8
+"""the largest cluster every sm_90+ device launches; 16 needs the non-portable opt-in and a device
+that can hold 16 such CTAs in one GPC (``_Module.cluster16``)"""
+WIDE_CLUSTER_MIN_KEYS = 8 * 8192
+"""a bound above this many keys (more than 8192 keys per CTA of 8) takes 16 CTAs a row where the
+rows fit (``plan_cluster``), which split only a row of more than this many live keys (a shorter
+one runs on the first 8: ``cuda_topk_emu.split_ctas``); benchmarks/NOTES.md, runs 128-131: 16
+were 0.3-0.9 us faster on 1-4 rows of 128K, 0.2 and 0.7 us slower on one row of 64K and 32K"""
+STATIC_SMEM_RESERVE = 1536
 """bytes of the opt-in shared memory left to a cluster kernel's static share"""
 
 
@@ -117,10 +125,11 @@ def plan_cluster(rows: int, sel_width: int, sm_count: int, smem_optin: int,
     logic), or None where it cannot take them (no rows, more than 65535 rows, no shared memory).
 
     CTAs per row (unless forced by ``cluster``): the largest size whose ``rows x size`` CTAs fit
-    one wave, counted as the SMs for clusters of 1 or 2 and half the SMs for 4 or 8 (larger
-    clusters pack less densely into the GPU's processing clusters); 1 past that, and 1 for a
-    bound of at most ``SOLO_MAX`` keys (a wider bound's cluster runs such rows on its first CTA,
-    whose capacity covers them). Keys per CTA:
+    one wave, counted as the SMs for clusters of 1 or 2 and half the SMs for 4, 8 or 16 (larger
+    clusters pack less densely into the GPU's processing clusters), 16 only for a bound above
+    ``WIDE_CLUSTER_MIN_KEYS``; 1 past that, and 1 for a bound of at most ``SOLO_MAX`` keys (a
+    wider bound's cluster runs such rows on its first CTA, whose capacity covers them). A device
+    that cannot launch 16 runs such a plan with 8 (``launch_cuda_topk_cluster``). Keys per CTA:
     the chunk of ``sel_width``, at most what fits the shared memory of one CTA per SM. Threads per
     CTA (unless forced by ``threads``): 512 for one CTA per row and a bound of at most
     ``SMALL_ROW_KEYS`` (the row fits their registers, and fewer warps finish it sooner), else 1024.
@@ -130,7 +139,8 @@ def plan_cluster(rows: int, sel_width: int, sm_count: int, smem_optin: int,
     if rows < 1 or rows > 65535 or sm_count < 1:
         return None
     if cluster is None:
-        fits = [c for c in CLUSTER_SIZES if rows * c <= (sm_count if c <= 2 else sm_count // 2)]
+        fits = [c for c in CLUSTER_SIZES if rows * c <= (sm_count if c <= 2 else sm_count // 2)
+                and (c <= PORTABLE_CLUSTER or sel_width > WIDE_CLUSTER_MIN_KEYS)]
         cluster = fits[-1] if fits and sel_width > SOLO_MAX else 1
     elif cluster not in CLUSTER_SIZES:
         raise ValueError(f"cuda top-k: cluster size must be one of {CLUSTER_SIZES}, got {cluster!r}")
@@ -139,7 +149,10 @@ def plan_cluster(rows: int, sel_width: int, sm_count: int, smem_optin: int,
     if threads not in CLUSTER_THREADS:
         raise ValueError(f"cuda top-k: cluster threads must be one of {CLUSTER_THREADS}, got {threads!r}")
     per_sm = 1 if rows * cluster <= sm_count else 1024 // threads  # what the registers allow
-    cap = min(cluster_chunk_cap(sel_width, cluster), _keys_fitting(smem_optin // per_sm, cluster, threads))
+    chunk = cluster_chunk_cap(sel_width, cluster)
+    if cluster > PORTABLE_CLUSTER:  # its first CTA still takes a short row whole (as 8 CTAs' would)
+        chunk = max(chunk, SOLO_MAX)
+    cap = min(chunk, _keys_fitting(smem_optin // per_sm, cluster, threads))
     if cap < 4:
         return None
     return ClusterPlan(cluster, cap, cluster_smem_bytes(cap, cluster, threads), threads)
@@ -318,10 +331,25 @@ class _Module:
         per_sm = driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR
         self.smem_per_sm = int(_check(driver.cuDeviceGetAttribute(per_sm, cu_dev), "cuDeviceGetAttribute"))
         self.cluster_ok = self.smem_optin > 0
+        self.cluster16 = self.cluster_ok and self._can_launch_cluster16()
         attr = driver.CUlaunchAttribute()
         attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
         attr.value.programmaticStreamSerializationAllowed = 1
         self.pdl_attribute = attr
+
+    def _can_launch_cluster16(self) -> bool:
+        """Whether 16-CTA clusters of the widest plan (1024 threads, all the opt-in shared memory)
+        can be resident at once on this device (the non-portable size; not on every GPC layout)."""
+        try:
+            fn = self.function(cluster_kernel_name(16, True), self.smem_optin)
+            config = self.driver.CUlaunchConfig()
+            config.gridDimX, config.gridDimY, config.gridDimZ = 16, 1, 1
+            config.blockDimX, config.blockDimY, config.blockDimZ = 1024, 1, 1
+            config.sharedMemBytes = self.smem_optin
+            err, clusters = self.driver.cuOccupancyMaxActiveClusters(fn, config)
+            return int(err) == 0 and clusters >= 1
+        except Exception:  # a driver without the query or the opt-in: the portable sizes only
+            return False
 
     def function(self, name: str, smem: int):
         fn = self.functions.get(name)
@@ -329,9 +357,12 @@ class _Module:
             fn = _check(
                 self.driver.cuModuleGetFunction(self.module, name.encode()), f"cuModuleGetFunction({name})"
             )
+            if name.startswith("topk_cluster_c16_"):
+                allow = self.driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED
+                _check(self.driver.cuFuncSetAttribute(fn, allow, 1), "cuFuncSetAttribute(non-portable)")
             self.functions[name] = fn
-        # past 48 KB less the kernel's static share (at most 1 KB) the launch needs the opt-in
-        if smem > _STATIC_SMEM_LIMIT - 1024 and self.smem_set.get(name, 0) < smem:
+        # past 48 KB less the kernel's static share (at most STATIC_SMEM_RESERVE) the launch needs the opt-in
+        if smem > _STATIC_SMEM_LIMIT - STATIC_SMEM_RESERVE and self.smem_set.get(name, 0) < smem:
             attr = self.driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
             _check(self.driver.cuFuncSetAttribute(fn, attr, smem), "cuFuncSetAttribute(max dynamic smem)")
             self.smem_set[name] = smem
@@ -478,6 +509,12 @@ def launch_cuda_topk_cluster(
                         threads=threads)
     if plan is None:
         raise ValueError(f"cuda top-k: the cluster route cannot take rows={rows} sel_width={sel_width}")
+    if plan.cluster > PORTABLE_CLUSTER and not mod.cluster16:  # 8 CTAs, at most the cap planned for 16
+        narrow = plan_cluster(max(rows, 1), sel_width, mod.sm_count, mod.smem_optin,
+                              cluster=PORTABLE_CLUSTER, threads=plan.threads)
+        kept = min(plan.cap, narrow.cap)
+        plan = ClusterPlan(PORTABLE_CLUSTER, kept, cluster_smem_bytes(kept, PORTABLE_CLUSTER, plan.threads),
+                           plan.threads)
     if cap is not None:
         if cap < 4 or cap % 4 or cap > plan.cap:
             raise ValueError(f"cuda top-k: cap must be a multiple of 4 in [4, {plan.cap}], got {cap}")

@@ -152,6 +152,16 @@ def in_registers(n: int, threads: int) -> bool:
     return n <= 4 * REG_GROUPS * threads
 
 
+WIDE_SPLIT_KEYS = 8 * 8192
+"""a 16-CTA cluster splits only a row of more than this many live keys; a shorter one runs on its
+first 8 CTAs as a cluster of 8 would (``WIDE_SPLIT_KEYS`` in the source)"""
+
+
+def split_ctas(n: int, cluster: int) -> int:
+    """The CTAs a cluster of ``cluster`` splits a row of ``n`` live keys over (when it splits)."""
+    return 8 if cluster == 16 and n <= WIDE_SPLIT_KEYS else cluster
+
+
 def chunks_in_registers(n: int, cluster: int, cap: int, threads: int = 1024) -> bool:
     """Whether a row of ``n`` live keys that a cluster splits (not ``runs_solo``) runs from
     registers on every CTA: a 1024-thread launch whose chunks (``cluster_chunks``) hold at most
@@ -159,7 +169,7 @@ def chunks_in_registers(n: int, cluster: int, cap: int, threads: int = 1024) -> 
     are the row's."""
     if threads != 1024 or runs_solo(n, cluster, cap, threads):
         return False
-    return max(length for _, length in cluster_chunks(n, cluster)) <= 4 * REG_GROUPS * threads
+    return max(length for _, length in cluster_chunks(n, split_ctas(n, cluster))) <= 4 * REG_GROUPS * threads
 
 
 def runs_solo(n: int, cluster: int, cap: int, threads: int = 1024) -> bool:
@@ -176,10 +186,11 @@ TIE_MAX = 32
 def cluster_split(n: int, cluster: int, cap: int, threads: int = 1024) -> list[tuple[int, int]]:
     """The cluster route's chunks of a row of ``n`` live keys: one chunk on the first CTA when
     the row is short (``in_registers``, or ``n <= SOLO_MAX`` and ``n <= cap``), else
-    ``cluster_chunks``."""
+    ``cluster_chunks`` over ``split_ctas`` CTAs (the rest empty)."""
     if cluster > 1 and runs_solo(n, cluster, cap, threads):
         return [(0, n)] + [(n, 0)] * (cluster - 1)
-    return cluster_chunks(n, cluster)
+    split = split_ctas(n, cluster)
+    return cluster_chunks(n, split) + [(n, 0)] * (cluster - split)
 
 
 SOLO_TIE_MAX = 128
