@@ -1481,8 +1481,9 @@ __device__ __forceinline__ void topk_cluster_row(const float* __restrict__ logit
         return;
     }
     // 16 CTAs split only a row of more than WIDE_SPLIT_KEYS live keys; a shorter one runs on the
-    // first 8, as a cluster of 8 (cuda_topk_emu.split_ctas; the other 8 leave now and no barrier
-    // of those 8 waits for an exited CTA, nor does any of them reach an exited CTA's memory)
+    // first 8, as a cluster of 8 (cuda_topk_emu.split_ctas). The other 8 leave now: the cluster
+    // barriers of the first 8 wait only for threads that have not exited, and none of the 8
+    // reaches the shared memory of a rank past 7
     if (C == 16 && n <= WIDE_SPLIT_KEYS) {  // cluster-uniform
         if (rank < 8u) cluster_split_row<8, THREADS, ALIGNED>(x, n, k, o, nan_low, cap, rank, first, sc);
         return;
