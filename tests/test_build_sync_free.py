@@ -187,10 +187,18 @@ PLANTS = {
 }
 
 
-def _prove_path(path, make_builder, examples: int) -> None:
-    """Run the proof over `examples` random cases of one path (no shrinking)."""
+def _has_rows(case) -> bool:
+    """Whether a case's builds have rows to read (a batch of no query tokens builds none)."""
+    return any(sum(drawn.query_lens) > 0 for drawn in case[2])
+
+
+def _prove_path(path, make_builder, examples: int, *, with_rows: bool = False) -> None:
+    """Run the proof over `examples` random cases of one path (no shrinking); `with_rows`: only
+    cases where some build has rows."""
+    strategy = cases(*path).filter(_has_rows) if with_rows else cases(*path)
+
     @settings(PER_PATH, phases=["generate"], max_examples=examples)
-    @given(case=cases(*path))
+    @given(case=strategy)
     def prove(case):
         layout, caps, batches = case
         _prove(make_builder(layout, caps), layout, batches, path[2])
@@ -218,6 +226,6 @@ def test_the_legacy_device_read_is_caught_on_every_path():
     def legacy(layout, caps):
         return _builder(IndexerMetadataBuilder, layout, caps, legacy_device_sync=True)
 
-    for path in PATHS[::5]:
+    for path in PATHS[::5]:  # the legacy read needs rows: a build of none reads nothing, rightly
         with pytest.raises(HostSyncError, match=r"int\(seq_lens.max\(\).item\(\)\)"):
-            _prove_path(path, legacy, examples=4)
+            _prove_path(path, legacy, examples=4, with_rows=True)
