@@ -2,8 +2,8 @@
 rounds as one result) and ``spread`` (each shape's ratios across runs of one build); and
 benchmarks/wgmma_rate.py's source (one kernel a form, compiled by NVRTC where it is) and its
 cycle arithmetic; benchmarks/wide_bound.py's arguments and table; the argument parsing and
-arithmetic of peer_probe.py, step_parts.py and step_drift.py; cold_l2.py's table;
-graph_timer.py's interleaved timing."""
+arithmetic of peer_probe.py, step_parts.py, step_drift.py and workspace_spread.py; cold_l2.py's
+table; graph_timer.py's interleaved timing."""
 
 from __future__ import annotations
 
@@ -253,3 +253,17 @@ def test_cold_l2_table_shows_each_parts_cold_cost():
     assert lines[0] == "| B | L | step warm / cold / + | topk warm / cold / + |"  # parts no row has: left out
     assert lines[2] == "| 1 | 131072 | 20.50 / 21.40 / +0.90 | 12.50 / 13.00 / +0.50 |"
     assert lines[3] == "| 8 | 65536 | 32.50 / 33.50 / +1.00 | - |"
+
+
+def test_workspace_spread_reads_one_shape_and_spreads_only_ours(monkeypatch, capsys):
+    mod = load_benchmark("workspace_spread")
+    got = mod.spread_of({"ws0": 20.5, "ws1": 21.4, "ws_call_sized": 20.7, "stack_vllm_cooperative": 19.0})
+    assert got == pytest.approx(dict(lowest=20.5, highest=21.4, spread=0.9))  # the peer stack left out
+    with pytest.raises(ValueError, match="no time"):
+        mod.spread_of({"stack_vllm_cooperative": 19.0})
+    for argv in (["--shape", "1x4096,2x4096"], ["--shape", "1x100"], ["--workspaces", "0"]):
+        monkeypatch.setattr(sys, "argv", ["workspace_spread.py", *argv])
+        with pytest.raises(SystemExit) as exc:
+            mod.main()
+        assert exc.value.code == 2
+    assert "--shape" in capsys.readouterr().err

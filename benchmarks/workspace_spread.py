@@ -1,0 +1,91 @@
+"""Does our step's time depend on which workspace it runs on?
+
+    python benchmarks/workspace_spread.py [--shape 1x131072] [--workspaces 4] [--iters 15]
+                                          [--json FILE]
+
+Run 129 read our step up to 1 us apart between processes at 1-8 rows while the peer stack held
+(benchmarks/NOTES.md, session 24). Here one process, one set of inputs (``indexer.py``'s) and
+``--workspaces`` serving-size workspaces (256 rows, 128K wide, each allocated anew) plus one sized
+to the call: each workspace's exact step captured as its own graph, all replayed in turn
+(``graph_timer.interleaved_replay_us``), so the clock and the inputs are the same for every one
+and only the workspace differs. With ``.peers``/``.peers_topk`` carried, DeepGEMM + vLLM's
+cooperative top-k joins as a reference. Prints each graph's time and the spread of ours; ``--json``
+writes them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from cold_start import parse_shapes  # noqa: E402
+
+
+def spread_of(times: dict[str, float], prefix: str = "ws") -> dict:
+    """The lowest, highest and max - min of the times whose name starts with ``prefix``."""
+    ours = [v for k, v in times.items() if k.startswith(prefix)]
+    if not ours:
+        raise ValueError(f"spread_of: no time named {prefix}*")
+    return dict(lowest=min(ours), highest=max(ours), spread=max(ours) - min(ours))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="1x131072")
+    ap.add_argument("--workspaces", type=int, default=4)
+    ap.add_argument("--iters", type=int, default=15)
+    ap.add_argument("--json", default="")
+    a = ap.parse_args()
+    try:
+        (B, L), *more = parse_shapes(a.shape)
+        if more:
+            raise ValueError(f"--shapes: one shape, got {a.shape!r}")
+    except ValueError as exc:
+        ap.error(str(exc).replace("--shapes", "--shape"))
+    if a.workspaces < 1 or a.iters < 1:
+        ap.error("--workspaces and --iters: must be >= 1")
+    if not torch.cuda.is_available():
+        print("error: benchmarks/workspace_spread.py times CUDA kernels and needs a CUDA device",
+              file=sys.stderr)
+        sys.exit(2)
+    import indexer as ix
+    from graph_timer import interleaved_replay_us
+
+    from vllm_sparse_sync.kernels import triton_ops as tk
+    from vllm_sparse_sync.kernels.workspace import IndexerTopkWorkspace
+
+    copies = max(2, min(128, math.ceil(ix.L2_BYTES / (B * L * 132))))
+    ncalls = max(12, copies)
+    inp = ix.Inputs(B, L, copies)
+    out = torch.empty(B, ix.TOPK, dtype=torch.int32, device=ix.DEV)
+    spaces = {f"ws{j}": ix.step_workspaces(B, L, ix.DEFAULT_CONFIG)[0] for j in range(a.workspaces)}
+    spaces["ws_call_sized"] = IndexerTopkWorkspace(B, ix.TOPK, L, ix.DEV, config=ix.DEFAULT_CONFIG)
+    named = {name: [lambda i=i, ws=ws: tk.indexer_topk(*inp.args(i), ix.TOPK, width=L, workspace=ws, out=out)
+                    for i in range(ncalls)] for name, ws in spaces.items()}
+    dg, vt = ix.load_deepgemm(), ix.load_vllm_topk()
+    if dg is not None and vt is not None and B <= 64:
+        logits = ix.deepgemm_logits(dg, inp)
+        coop = ix.peer_topk_makers(vt, None, None, inp)["vllm_cooperative"]
+        named["stack_vllm_cooperative"] = [lambda i=i: coop(logits(i))() for i in range(ncalls)]
+    times = interleaved_replay_us(named, a.iters)
+    row = dict(B=B, L=L, ncalls=ncalls, **{k: round(v, 3) for k, v in times.items()},
+               **{k: round(v, 3) for k, v in spread_of(times).items()})
+    print("| graph | us |")
+    print("|---|---:|")
+    for name, us in times.items():
+        print(f"| {name} | {us:.2f} |")
+    print(f"ours: {row['lowest']:.2f}-{row['highest']:.2f} us, spread {row['spread']:.2f}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(row, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
