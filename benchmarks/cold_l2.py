@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import sys
@@ -25,7 +24,7 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from cold_start import parse_shapes  # noqa: E402
+from cold_start import parse_shapes, require_cuda  # noqa: E402
 
 FLUSH_BYTES = 256 * 2**20
 PARTS = ("step", "scorer", "topk", "dg", "coop", "stack")
@@ -46,23 +45,12 @@ def measure(B: int, L: int, iters: int) -> dict:
     import indexer as ix
     from graph_timer import capture, replay_us
 
-    from vllm_sparse_sync.kernels import triton_ops as tk
-    from vllm_sparse_sync.kernels.scorer import launch_score
-
-    copies = max(2, min(128, math.ceil(ix.L2_BYTES / (B * L * 132))))
-    ncalls = max(12, copies)
+    copies, ncalls = ix.graph_sizes(B, L)
     inp = ix.Inputs(B, L, copies)
     ws, _ = ix.step_workspaces(B, L, ix.DEFAULT_CONFIG)
     route = ws.route(B, L, ix.PAGE)
     out = torch.empty(B, ix.TOPK, dtype=torch.int32, device=ix.DEV)
-    parts = {
-        "step": lambda i: tk.indexer_topk(*inp.args(i), ix.TOPK, width=L, workspace=ws, out=out),
-        "scorer": lambda i: launch_score(*inp.args(i), None, ws.logits, page_size=ix.PAGE, sel_width=L,
-                                         fill_width=0, splits=route.score_splits, config=ws.config.scorer,
-                                         kind=route.scorer),
-        "topk": lambda i: tk._launch_topk(route, ws.logits, inp.lens, None, ws, out, ix.TOPK, L,
-                                          nan_low=False),
-    }
+    parts = ix.step_calls(inp, ws, out)
     dg, vt = ix.load_deepgemm(), ix.load_vllm_topk()
     if dg is not None and vt is not None and B <= 64:
         logits = ix.deepgemm_logits(dg, inp)
@@ -108,9 +96,7 @@ def main() -> None:
         ap.error(str(exc))
     if a.iters < 1:
         ap.error(f"--iters: must be >= 1, got {a.iters}")
-    if not torch.cuda.is_available():
-        print("error: benchmarks/cold_l2.py times CUDA kernels and needs a CUDA device", file=sys.stderr)
-        sys.exit(2)
+    require_cuda("cold_l2.py")
     rows = []
     for B, L in shapes:
         rows.append(measure(B, L, a.iters))

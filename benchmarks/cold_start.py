@@ -29,20 +29,36 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 TOPK, PAGE = 2048, 64
 
 
-def parse_shapes(text: str) -> list[tuple[int, int]]:
-    """``"1x4096,64x16384"`` -> ``[(1, 4096), (64, 16384)]``; a clear error for anything else."""
+def parse_shapes(text: str, option: str = "--shapes") -> list[tuple[int, int]]:
+    """``"1x4096,64x16384"`` -> ``[(1, 4096), (64, 16384)]``; a clear error, naming ``option``, for
+    anything else."""
     shapes = []
     for part in (p for p in text.split(",") if p):
         try:
             b, l_ = (int(x) for x in part.split("x"))
         except ValueError:
-            raise ValueError(f"--shapes: {part!r} is not ROWSxWIDTH (e.g. 1x4096)") from None
+            raise ValueError(f"{option}: {part!r} is not ROWSxWIDTH (e.g. 1x4096)") from None
         if b < 1 or l_ < PAGE or l_ % PAGE:
-            raise ValueError(f"--shapes: {part!r} needs rows >= 1 and a width that is a multiple of {PAGE}")
+            raise ValueError(f"{option}: {part!r} needs rows >= 1 and a width that is a multiple of {PAGE}")
         shapes.append((b, l_))
     if not shapes:
-        raise ValueError("--shapes: give at least one ROWSxWIDTH")
+        raise ValueError(f"{option}: give at least one ROWSxWIDTH")
     return shapes
+
+
+def parse_one_shape(text: str, option: str = "--shape") -> tuple[int, int]:
+    """One ``ROWSxWIDTH`` (``parse_shapes``'s rules), a clear error naming ``option`` for a list."""
+    shapes = parse_shapes(text, option)
+    if len(shapes) > 1:
+        raise ValueError(f"{option}: one ROWSxWIDTH, got {text!r}")
+    return shapes[0]
+
+
+def require_cuda(script: str, what: str = "times CUDA kernels") -> None:
+    """Exit 2 with one line on stderr where no CUDA device is visible."""
+    if not torch.cuda.is_available():
+        print(f"error: benchmarks/{script} {what} and needs a CUDA device", file=sys.stderr)
+        sys.exit(2)
 
 
 def timed(rows: list[dict], part: str, fn) -> None:
@@ -96,10 +112,7 @@ def main() -> None:
         shapes = parse_shapes(a.shapes)
     except ValueError as exc:
         ap.error(str(exc))
-    if not torch.cuda.is_available():
-        print("error: benchmarks/cold_start.py times CUDA compiles and launches and needs a CUDA device",
-              file=sys.stderr)
-        sys.exit(2)
+    require_cuda("cold_start.py", "times CUDA compiles and launches")
     print(f"TRITON_CACHE_DIR={os.environ.get('TRITON_CACHE_DIR', '(default)')}", flush=True)
     rows: list[dict] = []
     t0 = time.perf_counter()

@@ -72,6 +72,31 @@ DEV = "cuda"
 SERVING_ROWS = 256  # the step's workspace capacity: a serving runner's, whatever the call's rows
 
 
+def graph_sizes(B: int, L: int) -> tuple[int, int]:
+    """``(copies, ncalls)``: input copies whose K caches together exceed ``L2_BYTES``, and the calls
+    of one timed graph (each on copy ``i % copies``)."""
+    copies = max(2, min(128, math.ceil(L2_BYTES / (B * L * 132))))
+    return copies, max(12, copies)
+
+
+def step_calls(inp: Inputs, ws: IndexerTopkWorkspace, out: torch.Tensor) -> dict:
+    """Our exact step on ``ws`` and its two launches as the step makes them (its route's splits,
+    ``ws``'s logits buffer), each as ``call(i)`` on input copy ``i``: ``step``, ``scorer``,
+    ``topk`` (the latter reads what the scorer last left in the buffer)."""
+    from vllm_sparse_sync.kernels import triton_ops as tk
+    from vllm_sparse_sync.kernels.scorer import launch_score
+
+    L = inp.L
+    route = ws.route(inp.B, L, PAGE)
+    return {
+        "step": lambda i: tk.indexer_topk(*inp.args(i), TOPK, width=L, workspace=ws, out=out),
+        "scorer": lambda i: launch_score(*inp.args(i), None, ws.logits, page_size=PAGE, sel_width=L,
+                                         fill_width=0, splits=route.score_splits, config=ws.config.scorer,
+                                         kind=route.scorer),
+        "topk": lambda i: tk._launch_topk(route, ws.logits, inp.lens, None, ws, out, TOPK, L, nan_low=False),
+    }
+
+
 def unfused_splits(B: int, L: int, config: KernelConfig, scorer: str = "triton") -> int:
     """Programs per row of the ``scorer`` kernel on the unfused route for B rows."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -546,18 +571,14 @@ def bench_interleaved(peers, inp: Inputs, ncalls: int, config, res: dict, iters:
     ``il_stack_<name>_us``. Timed in separate slots, a later slot can meet a lower clock (the
     H200 holds 700 W by lowering it: benchmarks/NOTES.md, session 24); interleaved, every graph
     meets the same drift, so their ratios are the fair ones."""
-    from vllm_sparse_sync.kernels import triton_ops as tk
 
     dg, vt, fi, sgl = peers
     B, L = inp.B, inp.L
     ws, ws8 = step_workspaces(B, L, config)
     out = torch.empty(B, TOPK, dtype=torch.int32, device=DEV)
-    named = {
-        "il_step_us": [lambda i=i: tk.indexer_topk(*inp.args(i), TOPK, width=L, workspace=ws, out=out)
-                       for i in range(ncalls)],
-        "il_step_fp8_us": [lambda i=i: tk.indexer_topk(*inp.args(i), TOPK, width=L, workspace=ws8, out=out)
-                           for i in range(ncalls)],
-    }
+    step, step8 = step_calls(inp, ws, out)["step"], step_calls(inp, ws8, out)["step"]
+    named = {"il_step_us": [lambda i=i: step(i) for i in range(ncalls)],
+             "il_step_fp8_us": [lambda i=i: step8(i) for i in range(ncalls)]}
     logits = deepgemm_logits(dg, inp)
     makers = peer_topk_makers(vt, fi, sgl, inp)
     makers.pop("out")
@@ -841,8 +862,7 @@ def main() -> None:
     print(json.dumps(dict(copy_tbs=round(bw, 3), **meta)), flush=True)
     rows = []
     for B, L in shapes:
-        copies = max(2, min(128, math.ceil(L2_BYTES / (B * L * 132))))
-        ncalls = max(12, copies)
+        copies, ncalls = graph_sizes(B, L)
         inp = Inputs(B, L, copies)
         algos = tuple(x for x in a.topk_algos.split(",") if x)
         # each (name, bench(res, inputs, calls)): ours, then every peer that loaded

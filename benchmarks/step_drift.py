@@ -25,7 +25,7 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from cold_start import parse_shapes  # noqa: E402
+from cold_start import parse_one_shape, require_cuda  # noqa: E402
 
 PARTS = ("step", "scorer", "topk", "step_fp8")
 QUERY = "clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active"
@@ -76,39 +76,24 @@ def main() -> None:
     ap.add_argument("--json", default="")
     a = ap.parse_args()
     try:
-        (B, L), *more = parse_shapes(a.shape)
-        if more:
-            raise ValueError(f"--shapes: one shape, got {a.shape!r}")
+        B, L = parse_one_shape(a.shape)
     except ValueError as exc:
-        ap.error(str(exc).replace("--shapes", "--shape"))
+        ap.error(str(exc))
     if a.cycles < 1:
         ap.error(f"--cycles: must be >= 1, got {a.cycles}")
-    if not torch.cuda.is_available():
-        print("error: benchmarks/step_drift.py times CUDA kernels and needs a CUDA device", file=sys.stderr)
-        sys.exit(2)
+    require_cuda("step_drift.py")
     import indexer as ix
 
     from vllm_sparse_sync.kernels import triton_ops as tk
-    from vllm_sparse_sync.kernels.scorer import launch_score
-    from vllm_sparse_sync.kernels.workspace import IndexerTopkWorkspace
 
-    copies = max(2, min(128, math.ceil(ix.L2_BYTES / (B * L * 132))))
-    ncalls = max(12, copies)
+    copies, ncalls = ix.graph_sizes(B, L)
     inp = ix.Inputs(B, L, copies)
-    ws = IndexerTopkWorkspace(max(B, ix.SERVING_ROWS), ix.TOPK, ix.WIDE, ix.DEV)
-    cfg8 = ws.config.with_values(**{"scorer.precise": False})
-    ws8 = IndexerTopkWorkspace(B, ix.TOPK, L, ix.DEV, config=cfg8)
+    ws, ws8 = ix.step_workspaces(B, L, ix.DEFAULT_CONFIG)
     route = ws.route(B, L, ix.PAGE)
     out = torch.empty(B, ix.TOPK, dtype=torch.int32, device=ix.DEV)
-    makers = {
-        "step": lambda i: lambda: tk.indexer_topk(*inp.args(i), ix.TOPK, width=L, workspace=ws, out=out),
-        "scorer": lambda i: lambda: launch_score(
-            *inp.args(i), None, ws.logits, page_size=ix.PAGE, sel_width=L, fill_width=0,
-            splits=route.score_splits, config=ws.config.scorer, kind=route.scorer),
-        "topk": lambda i: lambda: tk._launch_topk(route, ws.logits, inp.lens, None, ws, out, ix.TOPK, L,
-                                                   nan_low=False),
-        "step_fp8": lambda i: lambda: tk.indexer_topk(*inp.args(i), ix.TOPK, width=L, workspace=ws8, out=out),
-    }
+    calls = ix.step_calls(inp, ws, out)
+    calls["step_fp8"] = lambda i: tk.indexer_topk(*inp.args(i), ix.TOPK, width=L, workspace=ws8, out=out)
+    makers = {part: (lambda i, call=calls[part]: lambda: call(i)) for part in PARTS}
     makers["step"](0)()  # the logits the top-k alone reads
     sampler = Sampler()
     rows = []

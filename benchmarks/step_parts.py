@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import sys
@@ -31,7 +30,7 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from cold_start import parse_shapes  # noqa: E402  (the same ROWSxWIDTH list and its errors)
+from cold_start import parse_shapes, require_cuda  # noqa: E402  (the same ROWSxWIDTH list and its errors)
 
 PARTS = ("step", "scorer", "topk", "pair", "pair_no_pdl")
 
@@ -57,40 +56,34 @@ def measure(B: int, L: int, rounds: int) -> dict[str, float]:
     sys.path.insert(0, HERE)
     import indexer as ix
 
-    from vllm_sparse_sync.kernels import triton_ops as tk
-    from vllm_sparse_sync.kernels.scorer import launch_score
     from vllm_sparse_sync.kernels.workspace import IndexerTopkWorkspace
 
-    copies = max(2, min(128, math.ceil(ix.L2_BYTES / (B * L * 132))))
-    ncalls = max(12, copies)
+    copies, ncalls = ix.graph_sizes(B, L)
     inp = ix.Inputs(B, L, copies)
     ws = IndexerTopkWorkspace(max(B, ix.SERVING_ROWS), ix.TOPK, ix.WIDE, ix.DEV)
     route = ws.route(B, L, ix.PAGE)
     out = torch.empty(B, ix.TOPK, dtype=torch.int32, device=ix.DEV)
-    logits = ws.logits
-
-    def score(i):
-        launch_score(*inp.args(i), None, logits, page_size=ix.PAGE, sel_width=L, fill_width=0,
-                     splits=route.score_splits, config=ws.config.scorer, kind=route.scorer)
+    calls = ix.step_calls(inp, ws, out)
+    score, step = calls["scorer"], calls["step"]
 
     def select(pdl=True):
-        if not pdl:
-            from vllm_sparse_sync.kernels.cuda_topk import launch_cuda_topk_cluster
+        if pdl:
+            calls["topk"](0)
+            return
+        from vllm_sparse_sync.kernels.cuda_topk import launch_cuda_topk_cluster
 
-            launch_cuda_topk_cluster(logits, logits.stride(0), inp.lens, None, out, ix.TOPK, L, nan_low=False,
-                                     cluster=route.topk_cluster, cap=route.topk_cap, pdl=False)
-        else:
-            tk._launch_topk(route, logits, inp.lens, None, ws, out, ix.TOPK, L, nan_low=False)
+        launch_cuda_topk_cluster(ws.logits, ws.logits.stride(0), inp.lens, None, out, ix.TOPK, L,
+                                 nan_low=False, cluster=route.topk_cluster, cap=route.topk_cap, pdl=False)
 
     makers = {
-        "step": lambda i: lambda: tk.indexer_topk(*inp.args(i), ix.TOPK, width=L, workspace=ws, out=out),
+        "step": lambda i: lambda: step(i),
         "scorer": lambda i: lambda: score(i),
         "topk": lambda i: lambda: select(),
         "pair": lambda i: lambda: (score(i), select()),
         "pair_no_pdl": lambda i: lambda: (score(i), select(pdl=False)),
     }
     parts = PARTS if route.topk_cluster else tuple(p for p in PARTS if p != "pair_no_pdl")
-    tk.indexer_topk(*inp.args(0), ix.TOPK, width=L, workspace=ws, out=out)  # the logits the top-k reads
+    step(0)  # the logits the top-k reads
     seen: dict[str, list[float]] = {p: [] for p in parts}
     for k in range(rounds):
         for j in range(len(parts)):
@@ -113,9 +106,7 @@ def main() -> None:
         ap.error(str(exc))
     if a.rounds < 1:
         ap.error(f"--rounds: must be >= 1, got {a.rounds}")
-    if not torch.cuda.is_available():
-        print("error: benchmarks/step_parts.py times CUDA kernels and needs a CUDA device", file=sys.stderr)
-        sys.exit(2)
+    require_cuda("step_parts.py")
     rows = []
     for B, L in shapes:
         rows.append(gap_row(B, L, measure(B, L, a.rounds)))

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 
@@ -25,7 +24,7 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from cold_start import parse_shapes  # noqa: E402
+from cold_start import parse_one_shape, require_cuda  # noqa: E402
 
 
 def spread_of(times: dict[str, float], prefix: str = "ws") -> dict:
@@ -44,31 +43,24 @@ def main() -> None:
     ap.add_argument("--json", default="")
     a = ap.parse_args()
     try:
-        (B, L), *more = parse_shapes(a.shape)
-        if more:
-            raise ValueError(f"--shapes: one shape, got {a.shape!r}")
+        B, L = parse_one_shape(a.shape)
     except ValueError as exc:
-        ap.error(str(exc).replace("--shapes", "--shape"))
+        ap.error(str(exc))
     if a.workspaces < 1 or a.iters < 1:
         ap.error("--workspaces and --iters: must be >= 1")
-    if not torch.cuda.is_available():
-        print("error: benchmarks/workspace_spread.py times CUDA kernels and needs a CUDA device",
-              file=sys.stderr)
-        sys.exit(2)
+    require_cuda("workspace_spread.py")
     import indexer as ix
     from graph_timer import interleaved_replay_us
 
-    from vllm_sparse_sync.kernels import triton_ops as tk
     from vllm_sparse_sync.kernels.workspace import IndexerTopkWorkspace
 
-    copies = max(2, min(128, math.ceil(ix.L2_BYTES / (B * L * 132))))
-    ncalls = max(12, copies)
+    copies, ncalls = ix.graph_sizes(B, L)
     inp = ix.Inputs(B, L, copies)
     out = torch.empty(B, ix.TOPK, dtype=torch.int32, device=ix.DEV)
     spaces = {f"ws{j}": ix.step_workspaces(B, L, ix.DEFAULT_CONFIG)[0] for j in range(a.workspaces)}
     spaces["ws_call_sized"] = IndexerTopkWorkspace(B, ix.TOPK, L, ix.DEV, config=ix.DEFAULT_CONFIG)
-    named = {name: [lambda i=i, ws=ws: tk.indexer_topk(*inp.args(i), ix.TOPK, width=L, workspace=ws, out=out)
-                    for i in range(ncalls)] for name, ws in spaces.items()}
+    steps = {name: ix.step_calls(inp, ws, out)["step"] for name, ws in spaces.items()}
+    named = {name: [lambda i=i, step=step: step(i) for i in range(ncalls)] for name, step in steps.items()}
     dg, vt = ix.load_deepgemm(), ix.load_vllm_topk()
     if dg is not None and vt is not None and B <= 64:
         logits = ix.deepgemm_logits(dg, inp)

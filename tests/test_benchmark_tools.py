@@ -267,3 +267,11 @@ def test_workspace_spread_reads_one_shape_and_spreads_only_ours(monkeypatch, cap
             mod.main()
         assert exc.value.code == 2
     assert "--shape" in capsys.readouterr().err
+
+
+def test_graph_sizes_rotate_inputs_past_l2(indexer):
+    for B, L in ((64, 65536), (1, 4096), (8, 65536), (1, 131072)):
+        copies, ncalls = indexer.graph_sizes(B, L)
+        assert 2 <= copies <= 128 and ncalls == max(12, copies)
+        assert copies == 128 or copies * B * L * 132 >= indexer.L2_BYTES  # one graph's K caches pass L2
+    assert indexer.graph_sizes(64, 65536) == (2, 12) and indexer.graph_sizes(1, 4096) == (128, 128)
