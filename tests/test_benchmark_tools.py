@@ -2,8 +2,8 @@
 rounds as one result) and ``spread`` (each shape's ratios across runs of one build); and
 benchmarks/wgmma_rate.py's source (one kernel a form, compiled by NVRTC where it is) and its
 cycle arithmetic; benchmarks/wide_bound.py's arguments and table; the argument parsing and
-arithmetic of peer_probe.py, step_parts.py, step_drift.py and workspace_spread.py; cold_l2.py's
-table; graph_timer.py's interleaved timing."""
+arithmetic of peer_probe.py, step_parts.py, step_drift.py, step_energy.py and
+workspace_spread.py; cold_l2.py's table; graph_timer.py's interleaved timing."""
 
 from __future__ import annotations
 
@@ -257,11 +257,18 @@ def test_cold_l2_table_shows_each_parts_cold_cost():
 
 def test_workspace_spread_reads_one_shape_and_spreads_only_ours(monkeypatch, capsys):
     mod = load_benchmark("workspace_spread")
-    got = mod.spread_of({"ws0": 20.5, "ws1": 21.4, "ws_call_sized": 20.7, "stack_vllm_cooperative": 19.0})
+    times = {"ws0:step": 20.5, "ws0:topk": 11.0, "ws1:step": 21.4, "ws_call_sized:step": 20.7,
+             "ws1:topk": 11.6, "stack_vllm_cooperative": 19.0}
+    got = mod.spread_of(times)
     assert got == pytest.approx(dict(lowest=20.5, highest=21.4, spread=0.9))  # the peer stack left out
+    assert mod.spread_of(times, "topk") == pytest.approx(dict(lowest=11.0, highest=11.6, spread=0.6))
     with pytest.raises(ValueError, match="no time"):
         mod.spread_of({"stack_vllm_cooperative": 19.0})
-    for argv in (["--shape", "1x4096,2x4096"], ["--shape", "1x100"], ["--workspaces", "0"]):
+    lines = mod.table(times, {"ws0": 0x7F0000000000, "ws1": 0x7F0008000000}).splitlines()
+    assert lines[2] == "| ws0 | 0x7f0000000000 | 20.50 | - | 11.00 |"  # a part not timed: "-"
+    assert lines[4] == "| ws_call_sized:step | - | 20.70 | | |"  # not in ptrs: a graph of its own
+    bad = (["--shape", "1x4096,2x4096"], ["--shape", "1x100"], ["--workspaces", "0"], ["--pad-mb", "-1"])
+    for argv in bad:
         monkeypatch.setattr(sys, "argv", ["workspace_spread.py", *argv])
         with pytest.raises(SystemExit) as exc:
             mod.main()
@@ -275,3 +282,40 @@ def test_graph_sizes_rotate_inputs_past_l2(indexer):
         assert 2 <= copies <= 128 and ncalls == max(12, copies)
         assert copies == 128 or copies * B * L * 132 >= indexer.L2_BYTES  # one graph's K caches pass L2
     assert indexer.graph_sizes(64, 65536) == (2, 12) and indexer.graph_sizes(1, 4096) == (128, 128)
+
+
+def test_step_energy_reads_watts_from_the_energy_counter_inside_the_window(monkeypatch):
+    mod = load_benchmark("step_energy")
+    samples = [dict(t=0.0, sm_mhz=1980.0, energy_mj=0.0),  # before the window: left out
+               dict(t=1.0, sm_mhz=1800.0, energy_mj=1000.0), dict(t=1.5, sm_mhz=1600.0),  # no counter
+               dict(t=2.0, sm_mhz=1700.0, energy_mj=1700.0), dict(t=3.0, sm_mhz=1500.0, energy_mj=2300.0)]
+    got = mod.energy_window(samples, 0.5, 3.0)
+    assert got == pytest.approx(dict(samples=3, watts=0.65, sm_mhz_mean=1666.6667, sm_mhz_min=1500.0))
+    assert mod.energy_window(samples, 2.5, 3.5) == {"samples": 1}  # one reading: no rate made up
+    rows = [dict(round=0, graph="step", us=170.0, watts=690.0, sm_mhz_mean=1600.0),
+            dict(round=1, graph="step", us=168.0, watts=700.0, sm_mhz_mean=1650.0),
+            dict(round=2, graph="step", us=172.0, watts=680.0, sm_mhz_mean=1550.0),
+            dict(round=0, graph="stack", us=165.0, samples=1)]
+    summary = mod.summarise(rows)
+    assert summary["step"] == pytest.approx(dict(rounds=3, us=170.0, watts=690.0, uj=117300.0, sm_mhz=1600.0))
+    assert summary["stack"] == {"rounds": 0}  # a round without watts is not averaged in
+    lines = mod.table(summary).splitlines()
+    assert lines[2] == "| step | 170.00 | 690 | 117300 | 1600 |" and lines[3] == "| stack | - | - | - | - |"
+    summary["stack_vllm_persistent"] = dict(rounds=2, us=168.0, watts=680.0, uj=114240.0, sm_mhz=1700.0)
+    summary["stack_vllm_cooperative"] = dict(rounds=2, us=160.0, watts=700.0, uj=112000.0, sm_mhz=1650.0)
+    summary["stack_sgl"] = {"rounds": 0}  # not timed: never the fastest
+    got = mod.ratios(summary)  # no fp8 step timed: no fp8 ratio made up
+    assert got == pytest.approx(dict(stack="stack_vllm_cooperative", step_over_stack=170.0 / 160.0,
+                                     step_uj_over_stack=117300.0 / 112000.0))
+    assert mod.ratios({"step": summary["step"]}) == {"stack": None}
+    res = [dict(B=64, L=65536, summary=summary, ratios=got),
+           dict(B=1, L=4096, summary={"step": summary["step"]}, ratios={"stack": None})]
+    lines = mod.ratio_table(res).splitlines()
+    assert lines[2] == "| 64 x 65536 | 170.00 (690) | - | 160.00 (700) vllm_cooperative | 1.062 | - | 1.047 |"
+    assert lines[3] == "| 1 x 4096 | 170.00 (690) | - | - | - | - | - |"
+    bad = (["--shapes", "64x65536,1x100"], ["--seconds", "1"], ["--rounds", "0"], ["--config", "scorer.no=2"])
+    for argv in bad:
+        monkeypatch.setattr(sys, "argv", ["step_energy.py", *argv])
+        with pytest.raises(SystemExit) as exc:
+            mod.main()
+        assert exc.value.code == 2
