@@ -38,7 +38,9 @@ NVML_CLOCK_SM = 1
 
 
 class Nvml:
-    """The GPU's energy counter (millijoules since the driver loaded) and SM clock, from NVML."""
+    """The GPU's energy counter (millijoules since the driver loaded) and SM clock, from NVML.
+    NVML numbers GPUs as the driver does: index 0 is CUDA device 0 only where CUDA_VISIBLE_DEVICES
+    does not reorder them (the device machines' one-GPU runs)."""
 
     def __init__(self, index: int = 0) -> None:
         self.lib = ctypes.CDLL("libnvidia-ml.so.1")
