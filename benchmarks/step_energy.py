@@ -89,6 +89,8 @@ def summarise(rows: list[dict]) -> dict[str, dict]:
 def table(summary: dict[str, dict]) -> str:
     lines = ["| graph | us a call | W | uJ a call | SM MHz (mean) |", "|---|---:|---:|---:|---:|"]
     for name, s in summary.items():
+        if s.get("check", "ok") != "ok":
+            name = f"{name} (check: {s['check']})"
         if not s.get("rounds"):
             lines.append(f"| {name} | - | - | - | - |")
             continue
@@ -126,9 +128,24 @@ def replay_for(graph: torch.cuda.CUDAGraph, ncalls: int, seconds: float, nvml: N
     return start.elapsed_time(end) * 1000.0 / (replays * ncalls), readings
 
 
+def stack_check(make, out: torch.Tensor, dense: torch.Tensor, inp) -> str:
+    """``"ok"`` if a peer top-k's selection on the first rows of ``dense`` is a top-k (as
+    ``indexer.py`` checks its stacks), else the first violation."""
+    import indexer as ix
+
+    from vllm_sparse_sync.kernels.verify import topk_violations
+
+    rows = min(inp.B, 2)
+    out.fill_(-1)
+    make(dense)()
+    bad = topk_violations(out[:rows], dense[:rows], inp.lens[:rows], ix.TOPK)
+    return "ok" if not bad else bad[0][:120]
+
+
 def stack_of(summary: dict[str, dict]) -> str | None:
-    """The fastest peer stack timed (``stack_*`` with rounds), or None."""
-    stacks = [(v["us"], k) for k, v in summary.items() if k.startswith("stack_") and v.get("rounds")]
+    """The fastest peer stack timed (``stack_*`` with rounds) whose check (if any) is "ok", or None."""
+    stacks = [(v["us"], k) for k, v in summary.items()
+              if k.startswith("stack_") and v.get("rounds") and v.get("check", "ok") == "ok"]
     return min(stacks)[1] if stacks else None
 
 
@@ -189,6 +206,7 @@ def measure(B: int, L: int, seconds: float, rounds: int, parts: bool, nvml: Nvml
         calls[f"step_cfg{j}"] = ix.step_calls(inp, ix.step_workspaces(B, L, cfg)[0], out)["step"]
     step["step"](0)  # the logits the top-k alone reads
     dg, vt = ix.load_deepgemm(), ix.load_vllm_topk()
+    checks: dict[str, str] = {}
     if dg is not None:
         logits = ix.deepgemm_logits(dg, inp)
         if parts:
@@ -197,6 +215,7 @@ def measure(B: int, L: int, seconds: float, rounds: int, parts: bool, nvml: Nvml
             makers = ix.peer_topk_makers(vt, None, None, inp)
             for name in ("vllm_cooperative", "vllm_persistent") if B <= 64 else ("vllm_persistent",):
                 calls[f"stack_{name}"] = lambda i, make=makers[name]: make(logits(i))()
+                checks[f"stack_{name}"] = stack_check(makers[name], makers["out"], logits(0), inp)
     graphs = {name: capture([lambda i=i, c=c: c(i) for i in range(ncalls)]) for name, c in calls.items()}
     rows = []
     for r in range(rounds):
@@ -207,6 +226,8 @@ def measure(B: int, L: int, seconds: float, rounds: int, parts: bool, nvml: Nvml
             print(json.dumps(dict(B=B, L=L, **rows[-1])), flush=True)
     del graphs
     summary = summarise(rows)
+    for name, check in checks.items():
+        summary[name]["check"] = check
     return dict(B=B, L=L, ncalls=ncalls, summary=summary, ratios=ratios(summary), rows=rows)
 
 

@@ -308,6 +308,10 @@ def test_step_energy_reads_watts_from_the_energy_counter_inside_the_window(monke
     assert got == pytest.approx(dict(stack="stack_vllm_cooperative", step_over_stack=170.0 / 160.0,
                                      step_uj_over_stack=117300.0 / 112000.0))
     assert mod.ratios({"step": summary["step"]}) == {"stack": None}
+    broken = dict(summary, stack_fast=dict(rounds=2, us=100.0, watts=700.0, uj=70000.0, sm_mhz=1700.0,
+                                           check="row 0: selected scores differ from the top-2048 multiset"))
+    assert mod.ratios(broken)["stack"] == "stack_vllm_cooperative"  # failed its check: never the peer
+    assert "| stack_fast (check: row 0: selected scores differ" in mod.table(broken)
     res = [dict(B=64, L=65536, summary=summary, ratios=got),
            dict(B=1, L=4096, summary={"step": summary["step"]}, ratios={"stack": None})]
     lines = mod.ratio_table(res).splitlines()
