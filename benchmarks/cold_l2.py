@@ -24,7 +24,7 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from cold_start import parse_shapes, require_cuda  # noqa: E402
+from cold_start import require_cuda, shapes_arg  # noqa: E402
 
 FLUSH_BYTES = 256 * 2**20
 PARTS = ("step", "scorer", "topk", "dg", "coop", "stack")
@@ -90,10 +90,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=15)
     ap.add_argument("--json", default="")
     a = ap.parse_args()
-    try:
-        shapes = parse_shapes(a.shapes)
-    except ValueError as exc:
-        ap.error(str(exc))
+    shapes = shapes_arg(ap, a.shapes)
     if a.iters < 1:
         ap.error(f"--iters: must be >= 1, got {a.iters}")
     require_cuda("cold_l2.py")

@@ -54,6 +54,22 @@ def parse_one_shape(text: str, option: str = "--shape") -> tuple[int, int]:
     return shapes[0]
 
 
+def shapes_arg(ap: argparse.ArgumentParser, text: str, option: str = "--shapes") -> list[tuple[int, int]]:
+    """``parse_shapes`` of an option's text; bad text ends the script as argparse does (exit 2)."""
+    try:
+        return parse_shapes(text, option)
+    except ValueError as exc:
+        ap.error(str(exc))
+
+
+def shape_arg(ap: argparse.ArgumentParser, text: str, option: str = "--shape") -> tuple[int, int]:
+    """``parse_one_shape`` of an option's text; bad text ends the script as argparse does (exit 2)."""
+    try:
+        return parse_one_shape(text, option)
+    except ValueError as exc:
+        ap.error(str(exc))
+
+
 def require_cuda(script: str, what: str = "times CUDA kernels") -> None:
     """Exit 2 with one line on stderr where no CUDA device is visible."""
     if not torch.cuda.is_available():
@@ -108,10 +124,7 @@ def main() -> None:
     ap.add_argument("--shapes", default="1x4096,64x16384")
     ap.add_argument("--json", default="")
     a = ap.parse_args()
-    try:
-        shapes = parse_shapes(a.shapes)
-    except ValueError as exc:
-        ap.error(str(exc))
+    shapes = shapes_arg(ap, a.shapes)
     require_cuda("cold_start.py", "times CUDA compiles and launches")
     print(f"TRITON_CACHE_DIR={os.environ.get('TRITON_CACHE_DIR', '(default)')}", flush=True)
     rows: list[dict] = []

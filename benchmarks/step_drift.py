@@ -25,7 +25,7 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from cold_start import parse_one_shape, require_cuda  # noqa: E402
+from cold_start import require_cuda, shape_arg  # noqa: E402
 
 PARTS = ("step", "scorer", "topk", "step_fp8")
 QUERY = "clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active"
@@ -75,10 +75,7 @@ def main() -> None:
     ap.add_argument("--cycles", type=int, default=8)
     ap.add_argument("--json", default="")
     a = ap.parse_args()
-    try:
-        B, L = parse_one_shape(a.shape)
-    except ValueError as exc:
-        ap.error(str(exc))
+    B, L = shape_arg(ap, a.shape)
     if a.cycles < 1:
         ap.error(f"--cycles: must be >= 1, got {a.cycles}")
     require_cuda("step_drift.py")

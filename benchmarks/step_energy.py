@@ -30,7 +30,7 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from cold_start import parse_shapes, require_cuda  # noqa: E402
+from cold_start import require_cuda, shapes_arg  # noqa: E402
 
 TRIM_S = 0.5  # the first half second of a window is left out: the clock and power settle
 BATCH_US = 5000.0  # replays a batch: at least this much GPU time, longer than an NVML read
@@ -241,10 +241,7 @@ def main() -> None:
                     help="our exact step also under this config (as indexer.py's --config): step_cfg0, ...")
     ap.add_argument("--json", default="")
     a = ap.parse_args()
-    try:
-        shapes = parse_shapes(a.shapes)
-    except ValueError as exc:
-        ap.error(str(exc))
+    shapes = shapes_arg(ap, a.shapes)
     import indexer as ix
 
     try:

@@ -30,7 +30,7 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from cold_start import parse_shapes, require_cuda  # noqa: E402  (the same ROWSxWIDTH list and its errors)
+from cold_start import require_cuda, shapes_arg  # noqa: E402  (the same ROWSxWIDTH list and its errors)
 
 PARTS = ("step", "scorer", "topk", "pair", "pair_no_pdl")
 
@@ -100,10 +100,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", default="")
     a = ap.parse_args()
-    try:
-        shapes = parse_shapes(a.shapes)
-    except ValueError as exc:
-        ap.error(str(exc))
+    shapes = shapes_arg(ap, a.shapes)
     if a.rounds < 1:
         ap.error(f"--rounds: must be >= 1, got {a.rounds}")
     require_cuda("step_parts.py")

@@ -25,7 +25,7 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from cold_start import parse_one_shape, require_cuda  # noqa: E402
+from cold_start import require_cuda, shape_arg  # noqa: E402
 
 PARTS = ("step", "scorer", "topk")
 
@@ -58,10 +58,7 @@ def main() -> None:
     ap.add_argument("--pad-mb", type=int, default=0, help="MB allocated (and held) before the workspaces")
     ap.add_argument("--json", default="")
     a = ap.parse_args()
-    try:
-        B, L = parse_one_shape(a.shape)
-    except ValueError as exc:
-        ap.error(str(exc))
+    B, L = shape_arg(ap, a.shape)
     if a.workspaces < 1 or a.iters < 1 or a.pad_mb < 0:
         ap.error("--workspaces and --iters: must be >= 1; --pad-mb: >= 0")
     require_cuda("workspace_spread.py")

@@ -7,6 +7,7 @@ workspace_spread.py; cold_l2.py's table; graph_timer.py's interleaved timing."""
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import pathlib
@@ -206,12 +207,27 @@ def test_interleaved_timing_cancels_a_clock_drift(indexer, monkeypatch):
         graph_timer.interleaved_replay_us({"ours": [None]}, 0)
 
 
-def test_step_parts_reads_shapes_and_computes_the_gap():
-    mod = load_benchmark("step_parts")
-    assert mod.parse_shapes("64x65536,1x4096") == [(64, 65536), (1, 4096)]
+def test_shape_options_read_rows_by_width_and_exit_2_naming_the_option(monkeypatch, capsys):
+    cold = load_benchmark("cold_start")
+    ap = argparse.ArgumentParser()
+    assert cold.shapes_arg(ap, "64x65536,1x4096") == [(64, 65536), (1, 4096)]
+    assert cold.shape_arg(ap, "8x65536") == (8, 65536)
     for bad in ("64", "0x4096", "1x1000", "1x4100", "", "1x0"):
-        with pytest.raises(ValueError):
-            mod.parse_shapes(bad)
+        with pytest.raises(SystemExit) as exc:
+            cold.shapes_arg(ap, bad, "--shapes")
+        assert exc.value.code == 2 and "--shapes" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        cold.shape_arg(ap, "1x4096,2x4096")  # a list where one shape is asked for
+    assert exc.value.code == 2 and "--shape: one ROWSxWIDTH" in capsys.readouterr().err
+    mod = load_benchmark("step_parts")  # a script's own option, before it looks for a GPU
+    monkeypatch.setattr(sys, "argv", ["step_parts.py", "--shapes", "1x100"])
+    with pytest.raises(SystemExit) as exc:
+        mod.main()
+    assert exc.value.code == 2 and "--shapes: '1x100'" in capsys.readouterr().err
+
+
+def test_step_parts_computes_the_gap():
+    mod = load_benchmark("step_parts")
     row = mod.gap_row(64, 65536, dict(step=166.0, scorer=142.5, topk=21.0, pair=165.0, pair_no_pdl=164.0))
     assert row["gap"] == pytest.approx(2.5) and row["pair_gap"] == pytest.approx(1.5)
     lines = mod.table([row]).splitlines()
