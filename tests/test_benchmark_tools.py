@@ -2,7 +2,7 @@
 rounds as one result) and ``spread`` (each shape's ratios across runs of one build); and
 benchmarks/wgmma_rate.py's source (one kernel a form, compiled by NVRTC where it is) and its
 cycle arithmetic; benchmarks/wide_bound.py's arguments and table; the argument parsing and
-arithmetic of peer_probe.py, step_parts.py, step_drift.py, step_energy.py and
+arithmetic of peer_probe.py, step_parts.py, step_drift.py, step_energy.py, step_ab.py and
 workspace_spread.py; cold_l2.py's table; graph_timer.py's interleaved timing."""
 
 from __future__ import annotations
@@ -339,3 +339,62 @@ def test_step_energy_reads_watts_from_the_energy_counter_inside_the_window(monke
         with pytest.raises(SystemExit) as exc:
             mod.main()
         assert exc.value.code == 2
+
+
+@pytest.fixture(scope="module")
+def step_ab():
+    return load_benchmark("step_ab")
+
+
+def test_step_ab_reads_named_configs_the_configs_assignments_last(step_ab, indexer):
+    got = step_ab.parse_named(" cuda : scorer.cuda_fp8_min_tokens=1 ")
+    assert got == ("cuda", "scorer.cuda_fp8_min_tokens=1")
+    assert step_ab.parse_named("triton:") == ("triton", "")  # no assignments: the base alone
+    for bad in ("triton", ":scorer.precise=false", " :x=1"):
+        with pytest.raises(ValueError, match="NAME:ASSIGNMENTS"):
+            step_ab.parse_named(bad)
+    base = "scorer.precise=false,scorer.cuda_fp8_min_tokens=64"
+    assert step_ab.joined(base, "") == base and step_ab.joined("", "topk.algo=radix") == "topk.algo=radix"
+    cfg = indexer.parse_config(step_ab.joined(base, "scorer.cuda_fp8_min_tokens=1"))
+    assert cfg.scorer.cuda_fp8_min_tokens == 1 and cfg.scorer.precise is False  # the config's value wins
+
+
+def test_step_ab_summarises_each_configs_median_round_and_its_ratio_to_the_first(step_ab):
+    names = ["triton", "cuda"]
+    rounds = [dict(step_triton=10.0, scorer_triton=8.0, step_cuda=5.0, scorer_cuda=3.0),
+              dict(step_triton=30.0, scorer_triton=9.0, step_cuda=6.0, scorer_cuda=1.0),
+              dict(step_triton=12.0, scorer_triton=1.0, step_cuda=25.0, scorer_cuda=2.0)]
+    extra = dict(kind_triton="triton", kind_cuda="cuda", check="ok")
+    row = step_ab.summarise(64, 65536, names, rounds, extra)
+    got = [row[f"{part}_{name}"] for name in names for part in ("step", "scorer")]
+    assert got == [12.0, 8.0, 6.0, 2.0]  # each the median of its 3 rounds: not the mean, not the first
+    assert row["step_cuda_over_triton"] == 0.5  # the config's step over the baseline's, not inverted
+    assert "step_triton_over_triton" not in row and row["rounds"] == rounds
+    row2 = dict(row, B=1, L=4096, check="cuda: row 0: differs")
+    lines = step_ab.table([row, row2], names).splitlines()
+    assert lines[0].split(" | ") == ["| B", "L", "step triton", "step cuda", "scorer triton", "scorer cuda",
+                                     "cuda / triton", "check |"]
+    assert len(lines) == 4  # header, rule, one line a shape
+    assert lines[2] == "| 64 | 65536 | 12.00 (triton) | 6.00 (cuda) | 8.00 | 2.00 | 0.500 | ok |"
+    assert lines[3].startswith("| 1 | 4096 |") and lines[3].endswith("| cuda: row 0: differs |")
+
+
+def test_step_ab_exits_2_on_its_own_options_before_looking_for_a_gpu(step_ab, monkeypatch, capsys):
+    def no_gpu(*args):
+        raise AssertionError("reached require_cuda")
+
+    monkeypatch.setattr(step_ab, "require_cuda", no_gpu)
+    two = ["--config", "a:", "--config"]
+    bad = [(["--config", "a:"], "--config: give at least two"),
+           ([*two, "b"], "--config: expected NAME:ASSIGNMENTS"),
+           ([*two, "a:scorer.precise=false"], "--config: config name 'a' given twice"),
+           ([*two, "b:scorer.nope=1"], "--config: config key 'scorer.nope'"),
+           ([*two, "b:", "--rounds", "0"], "--rounds and --iters: must be >= 1")]
+    for argv, message in bad:
+        monkeypatch.setattr(sys, "argv", ["step_ab.py", *argv])
+        with pytest.raises(SystemExit) as exc:
+            step_ab.main()
+        assert exc.value.code == 2 and f"error: {message}" in capsys.readouterr().err, argv
+    monkeypatch.setattr(sys, "argv", ["step_ab.py", *two, "b:scorer.cuda_fp8_min_tokens=1"])
+    with pytest.raises(AssertionError, match="require_cuda"):  # valid options: on to the GPU check
+        step_ab.main()

@@ -132,6 +132,42 @@ def test_the_planner_takes_the_cuda_scorer_where_the_device_can():
     assert scorer_for(64, 64, hopper, fp8) == TRITON
 
 
+def test_the_e4m3_path_takes_the_cuda_scorer_only_where_asked():
+    """``scorer.cuda_fp8_min_tokens`` (rows x width bound) and ``scorer.cuda_fp8_one_row_min_width``
+    choose the CUDA kernel for the e4m3 path; the exact path's own thresholds never do."""
+    hopper = DeviceInfo(num_sms=132, cuda_topk=True, cluster_smem=200000, cuda_scorer=True)
+    fp8 = DEFAULT_CONFIG.with_values(**{"scorer.precise": False, "scorer.cuda_fp8_min_tokens": 0,
+                                        "scorer.cuda_fp8_one_row_min_width": 0})
+    for rows, width in ((1, 4096), (1, 131072), (8, 65536), (64, 65536), (128, 8192)):
+        assert scorer_for(rows, 64, hopper, fp8, width) == TRITON
+        # the exact path's thresholds take these calls
+        assert scorer_for(rows, 64, hopper, DEFAULT_CONFIG, width) == CUDA
+    by_size = fp8.with_values(**{"scorer.cuda_fp8_min_tokens": 64 * 65536})
+    assert scorer_for(64, 64, hopper, by_size, 65536) == CUDA
+    assert scorer_for(32, 64, hopper, by_size, 131072) == CUDA
+    assert scorer_for(64, 64, hopper, by_size, 65535) == TRITON
+    assert scorer_for(1, 64, hopper, by_size, 131072) == TRITON
+    one = fp8.with_values(**{"scorer.cuda_fp8_one_row_min_width": 32768})
+    assert scorer_for(1, 64, hopper, one, 32768) == CUDA
+    assert scorer_for(1, 64, hopper, one, 32767) == TRITON
+    assert scorer_for(2, 64, hopper, one, 131072) == TRITON
+    assert plan_route(1, 65536, 64, hopper, one).scorer == CUDA
+    assert plan_route(1, 65536, 64, hopper, one).score_splits == 132 * DEFAULT_CONFIG.scorer.cuda_ctas_per_sm
+    # never where the kernel cannot run or is switched off
+    assert scorer_for(1, 64, DeviceInfo(num_sms=132), one, 65536) == TRITON
+    assert scorer_for(1, 32, hopper, one, 65536) == TRITON
+    assert scorer_for(1, 64, hopper, one.with_values(**{"scorer.cuda": False}), 65536) == TRITON
+    # the defaults: from 4M rows x width tokens, never for one row below that
+    e4m3 = DEFAULT_CONFIG.with_values(**{"scorer.precise": False})
+    assert scorer_for(64, 64, hopper, e4m3, 65536) == CUDA
+    assert scorer_for(128, 64, hopper, e4m3, 32768) == CUDA
+    assert scorer_for(32, 64, hopper, e4m3, 65536) == TRITON
+    assert scorer_for(1, 64, hopper, e4m3, 131072) == TRITON
+    for name in ("cuda_fp8_min_tokens", "cuda_fp8_one_row_min_width"):
+        with pytest.raises(ValueError, match=name):
+            DEFAULT_CONFIG.with_values(**{f"scorer.{name}": -1})
+
+
 def test_takes_only_the_calls_the_kernel_is_built_for():
     cache = torch.zeros(10, 64 * 132, dtype=torch.uint8)
     q = torch.zeros(2, 64, 128, dtype=torch.uint8)

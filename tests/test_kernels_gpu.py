@@ -297,7 +297,8 @@ def test_capture_write_index_k_cache():
 
 
 @pytest.mark.parametrize(
-    "variant", [{"scorer.precise": False}, {"scorer.cuda": False},
+    "variant", [{"scorer.precise": False}, {"scorer.precise": False, "scorer.cuda_fp8_min_tokens": 1},
+                {"scorer.cuda": False},
                 {"scorer.cuda": False, "scorer.precise": False},
                 {"scorer.cuda": False, "scorer.tile": 32}, {"scorer.cuda": False, "scorer.stages": 2},
                 {"scorer.cuda": False, "scorer.tile": 128, "topk.block": 512},
@@ -320,6 +321,8 @@ def test_config_variants(variant):
     case = make_case(lens, heads=64, device=DEV, seed=13)
     width = case.block_table.shape[1] * 64
     ws = IndexerTopkWorkspace(len(lens), k, width, DEV, config=cfg)
+    if "scorer.cuda_fp8_min_tokens" in variant:  # the e4m3 path on the CUDA scorer, as asked
+        assert ws.route(len(lens), width, 64).scorer == "cuda"
     got = _ops().indexer_topk(*case.args, k, workspace=ws)
     dense = _ops().paged_indexer_logits(*case.args, width, config=cfg)
     want = ref.paged_indexer_logits(*case.args, width)

@@ -47,7 +47,8 @@ class ScorerConfig:
     cuda: bool = True
     """The exact path on the NVRTC-compiled wgmma scorer (``cuda_scorer``) on compute capability
     9.0 where it can take the call (64-token pages, head dim 128, 32 or 64 heads); False: always
-    Triton (the e4m3 path always is). ``tile``, ``warps`` and ``stages`` are the Triton kernel's."""
+    Triton (the e4m3 path too; it takes the CUDA kernel only by ``cuda_fp8_min_tokens`` or
+    ``cuda_fp8_one_row_min_width``). ``tile``, ``warps`` and ``stages`` are the Triton kernel's."""
     cuda_min_rows: int = 8
     """Calls of fewer rows take Triton's exact scorer unless their width bound reaches
     ``cuda_min_width`` (or, for one row, ``cuda_one_row_min_width``)."""
@@ -59,6 +60,14 @@ class ScorerConfig:
     """The width bound from which a one-row call takes the CUDA exact scorer (0: only from
     ``cuda_min_width``): one row of 4K-16K scores as fast or faster there (benchmarks/NOTES.md,
     runs 90, 93 and 94)."""
+    cuda_fp8_min_tokens: int = 64 * 65536
+    """The e4m3 path (``precise`` False) takes the CUDA scorer for calls of at least this many
+    rows x width-bound tokens (0: never by size; Triton's e4m3 kernel below it): its step measured
+    0.5-2% faster from 4M tokens, even at 2M and 1-2% slower at 2-16 rows of 64K
+    (benchmarks/NOTES.md, run 138)."""
+    cuda_fp8_one_row_min_width: int = 0
+    """The e4m3 path takes the CUDA scorer for one-row calls of a width bound of at least this
+    (0: only by ``cuda_fp8_min_tokens``)."""
     cuda_ctas_per_sm: int = 1
     """The CUDA scorer's programs per SM, split over the call's rows (one CTA of its kernel holds
     more than half an SM's registers)."""
@@ -93,6 +102,9 @@ class ScorerConfig:
         if not _is_int(self.cuda_one_row_min_width) or self.cuda_one_row_min_width < 0:
             raise ValueError(f"scorer.cuda_one_row_min_width: an int >= 0 (0: only from cuda_min_width), "
                              f"got {self.cuda_one_row_min_width!r}")
+        for name in ("cuda_fp8_min_tokens", "cuda_fp8_one_row_min_width"):
+            if not _is_int(getattr(self, name)) or getattr(self, name) < 0:
+                raise ValueError(f"scorer.{name}: an int >= 0 (0: never), got {getattr(self, name)!r}")
         _flag("scorer.precise", self.precise)
 
 

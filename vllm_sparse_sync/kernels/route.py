@@ -111,12 +111,17 @@ def scorer_for(rows: int, page: int, device: DeviceInfo, config: KernelConfig = 
     for the exact path (``scorer.precise``) from ``scorer.cuda_min_rows`` rows, a bound of
     ``scorer.cuda_min_width`` or one row of ``scorer.cuda_one_row_min_width`` up, where the device
     can run it, ``scorer.cuda`` asks for it and pages are 64 tokens (the kernel's tile); else
-    ``TRITON`` (also for the e4m3 path, where Triton's kernel measured faster:
-    benchmarks/NOTES.md, runs 63-65)."""
+    ``TRITON``. The e4m3 path (``scorer.precise`` off) takes ``CUDA`` only from
+    ``scorer.cuda_fp8_min_tokens`` rows x width tokens or one row of a bound of
+    ``scorer.cuda_fp8_one_row_min_width`` up (benchmarks/NOTES.md, runs 63-65 and 138)."""
     sc = config.scorer
-    big = (rows >= sc.cuda_min_rows or (0 < sc.cuda_min_width <= width)
-           or (rows == 1 and 0 < sc.cuda_one_row_min_width <= width))
-    ok = device.cuda_scorer and sc.cuda and sc.precise and page == 64 and big
+    if sc.precise:
+        big = (rows >= sc.cuda_min_rows or (0 < sc.cuda_min_width <= width)
+               or (rows == 1 and 0 < sc.cuda_one_row_min_width <= width))
+    else:
+        big = ((0 < sc.cuda_fp8_min_tokens <= rows * width)
+               or (rows == 1 and 0 < sc.cuda_fp8_one_row_min_width <= width))
+    ok = device.cuda_scorer and sc.cuda and page == 64 and big
     return CUDA if ok else TRITON
 
 
