@@ -1418,6 +1418,16 @@ __device__ __forceinline__ void cluster_split_row(const float* __restrict__ x, i
     topk_cluster_body<C, THREADS, ALIGNED, false>(x, n, k, o, nan_low, cap, rank, first, sc);
 }
 
+// zero the first QUADS 16-byte words of smem
+template <int QUADS, int THREADS>
+__device__ __forceinline__ void clear_quads(u32* smem, int tid) {
+#pragma unroll
+    for (int r = 0; r < (QUADS + THREADS - 1) / THREADS; ++r) {
+        const int i = tid + r * THREADS;
+        if (QUADS % THREADS == 0 || i < QUADS) reinterpret_cast<uint4*>(smem)[i] = make_uint4(0u, 0u, 0u, 0u);
+    }
+}
+
 template <int C, int THREADS, bool ALIGNED>
 __device__ __forceinline__ void topk_cluster_row(const float* __restrict__ logits, i64 stride_r,
                                                  const void* lens, int lens64, const void* active,
@@ -1431,14 +1441,13 @@ __device__ __forceinline__ void topk_cluster_row(const float* __restrict__ logit
     int* __restrict__ o = out + (i64)row * stride_o;
     const float* __restrict__ x = logits + (i64)row * stride_r;
 
-    // shared memory only: may overlap the previous kernel (programmatic dependent launch)
+    // shared memory only: may overlap the previous kernel (programmatic dependent launch). A
+    // one-CTA 512-thread launch clears after issuing its first loads instead: its four stores a
+    // thread would queue ahead of them (benchmarks/NOTES.md, runs 138-141)
     constexpr int words = C == 1 ? SOLO_WORDS : 2 * PASS_WORDS;  // hist.., glob..
     constexpr int quads = words / 4;
-#pragma unroll
-    for (int r = 0; r < (quads + THREADS - 1) / THREADS; ++r) {
-        const int i = tid + r * THREADS;
-        if (quads % THREADS == 0 || i < quads) reinterpret_cast<uint4*>(smem)[i] = make_uint4(0u, 0u, 0u, 0u);
-    }
+    constexpr bool clear_late = C == 1 && THREADS == 512;
+    if (!clear_late) clear_quads<quads, THREADS>(smem, tid);
     grid_dependency_wait();  // every global read and write comes after the previous kernel's
 
     __shared__ BodyScratch sc;
@@ -1453,6 +1462,7 @@ __device__ __forceinline__ void topk_cluster_row(const float* __restrict__ logit
         }
     }
     const int n = live_length(lens, lens64, active, active64, row, sel_width);
+    if (clear_late) clear_quads<quads, THREADS>(smem, tid);  // (the body's first barrier follows)
     if (n <= k) {  // cluster-uniform: no CTA reaches a cluster barrier
         for (int i = (int)rank * THREADS + tid; i < k; i += C * THREADS) o[i] = i < n ? i : -1;
         return;
@@ -1491,8 +1501,15 @@ __device__ __forceinline__ void topk_cluster_row(const float* __restrict__ logit
     cluster_split_row<C, THREADS, ALIGNED>(x, n, k, o, nan_low, cap, rank, first, sc);
 }
 
+// one CTA a row launches plainly, without a cluster attribute (a few tenths of a microsecond
+// less a launch at one row: benchmarks/NOTES.md, runs 140-141)
+#define CLUSTER_ATTR_1
+#define CLUSTER_ATTR_2 __cluster_dims__(2, 1, 1)
+#define CLUSTER_ATTR_4 __cluster_dims__(4, 1, 1)
+#define CLUSTER_ATTR_8 __cluster_dims__(8, 1, 1)
+#define CLUSTER_ATTR_16 __cluster_dims__(16, 1, 1)
 #define TOPK_CLUSTER_KERNEL(C, T, A)                                                               \
-    extern "C" __global__ void __cluster_dims__(C, 1, 1) __launch_bounds__(T, 1024 / (T))         \
+    extern "C" __global__ void CLUSTER_ATTR_##C __launch_bounds__(T, 1024 / (T))                  \
         topk_cluster_c##C##_t##T##_a##A(const float* __restrict__ logits, i64 stride_r,           \
                                         const void* lens, int lens64, const void* active,          \
                                         int active64, int sel_width, int k,                        \
