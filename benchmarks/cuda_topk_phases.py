@@ -9,7 +9,10 @@ width W: the plan a wider bound gets, e.g. a short row on a cluster's first CTA)
 the end for a launch of T threads per CTA (default: the planner's for that width). ``--define
 SHORT_ACT=256`` compiles a variant of the source (a macro it leaves open); ``--stops 99`` times
 the whole kernel only (one compile). ``--source A.cu --source ''`` times copies side by side on
-the same inputs; ``--logits indexer --per-seed`` times benchmarks/indexer.py's logits of each seed
+the same inputs: every source's and cut's graph of a case is replayed in turn, ``--rounds``
+rounds in rotated order (a source timed first reads faster at one 4K row), the median kept, and
+each source's whole kernel (stop 99) is checked to select what the first source's does
+(``output``: same or differs); ``--logits indexer --per-seed`` times benchmarks/indexer.py's logits of each seed
 on its own (the top-k's time follows how many keys share the threshold's bins). Only the kernels
 the cases launch are compiled, the cuts in parallel.
 
@@ -33,7 +36,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from graph_timer import graph_replay_us  # noqa: E402
+from graph_timer import graph_replay_us, interleaved_replay_us  # noqa: E402
 
 from vllm_sparse_sync.kernels import cuda_topk  # noqa: E402
 
@@ -124,15 +127,25 @@ def parse_cases(text: str, sm_count: int, smem_optin: int) -> list[tuple]:
     return cases
 
 
-def time_cut(mod, fn, plan, cluster: int, xs: list, lens, out, ncalls: int) -> float:
-    """us per launch of one cut kernel over rotating inputs (CUDA-graph replays)."""
+def cut_calls(mod, fn, plan, cluster: int, xs: list, lens, out, ncalls: int) -> list:
+    """``ncalls`` launches of one cut kernel over rotating inputs, as a list of calls."""
     rows, width = xs[0].shape
 
     def call(x):
         return lambda: cuda_topk._launch(mod, fn, (cluster, rows, 1), plan.threads, plan.smem, x, width, lens,
                                          None, out, K, width, True, (ctypes.c_int(plan.cap),))
 
-    return graph_replay_us([call(xs[i % len(xs)]) for i in range(ncalls)], 20)
+    return [call(xs[i % len(xs)]) for i in range(ncalls)]
+
+
+def time_cut(mod, fn, plan, cluster: int, xs: list, lens, out, ncalls: int) -> float:
+    """us per launch of one cut kernel over rotating inputs (CUDA-graph replays)."""
+    return graph_replay_us(cut_calls(mod, fn, plan, cluster, xs, lens, out, ncalls), 20)
+
+
+def same_sets(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Whether two top-k outputs select the same positions in every row (any order)."""
+    return torch.equal(got.sort(dim=1).values, want.sort(dim=1).values)
 
 
 def indexer_logits(B: int, L: int, W: int, seed: int) -> torch.Tensor:
@@ -170,6 +183,9 @@ def main() -> None:
                          "commit's); "
                          "repeatable: the copies side by side (--source '' names the library's)")
     ap.add_argument("--per-seed", action="store_true", help="time each input copy (seed) on its own")
+    ap.add_argument("--rounds", type=int, default=20,
+                    help="replays of each cut's graph, every source and cut of a case in turn each round "
+                         "(rotated), so no source is timed first; the median is reported")
     ap.add_argument("--out", default=None, help="JSON path (default: $OUT/cuda_topk_phases.json if $OUT is set)")
     a = ap.parse_args()
     stops = tuple(int(s) for s in a.stops.split(","))
@@ -179,6 +195,8 @@ def main() -> None:
     bad = [d for d in a.define if not re.fullmatch(r"[A-Z_][A-Z0-9_]*=\w+", d)]
     if bad:
         ap.error(f"--define wants NAME=VALUE, got {bad}")
+    if a.rounds < 1:
+        ap.error(f"--rounds: must be >= 1, got {a.rounds}")
     if not torch.cuda.is_available():
         print("error: needs a CUDA device", file=sys.stderr)
         sys.exit(2)
@@ -217,15 +235,27 @@ def main() -> None:
         out = torch.empty(B, K, dtype=torch.int32, device="cuda")
         groups = [[i] for i in range(len(seeds))] if a.per_seed else [list(range(len(seeds)))]
         for group in groups:
-            for src in sources:  # the sources side by side on the same inputs
-                res = {"C": C, "B": B, "L": L, "W": W, "cap": plan.cap, "threads": plan.threads,
-                       "logits": a.logits, "seeds": [seeds[i] for i in group], "mean": a.mean, "std": a.std,
-                       "defines": a.define, "source": src}
+            inputs = [xs[i] for i in group]
+            named, fns = {}, {}
+            for src in sources:  # the sources side by side on the same inputs, timed in turn
                 for stop in stops:
                     fn = cuda_topk._check(driver.cuModuleGetFunction(modules[(src, stop)], name), "get")
                     cuda_topk._check(driver.cuFuncSetAttribute(fn, attr, plan.smem), "smem")
-                    inputs = [xs[i] for i in group]
-                    res[NAMES[stop]] = time_cut(fake, fn, plan, C, inputs, lens, out, a.ncalls)
+                    fns[(src, stop)] = fn
+                    named[(src, stop)] = cut_calls(fake, fn, plan, C, inputs, lens, out, a.ncalls)
+            times = interleaved_replay_us(named, a.rounds)
+            first = None
+            for src in sources:
+                res = {"C": C, "B": B, "L": L, "W": W, "cap": plan.cap, "threads": plan.threads,
+                       "logits": a.logits, "seeds": [seeds[i] for i in group], "mean": a.mean, "std": a.std,
+                       "defines": a.define, "source": src, "rounds": a.rounds}
+                for stop in stops:
+                    res[NAMES[stop]] = times[(src, stop)]
+                if 99 in stops:  # the whole kernel's selection, against the first source's
+                    cut_calls(fake, fns[(src, 99)], plan, C, inputs[:1], lens, out, 1)[0]()
+                    got = out.clone()
+                    first = got if first is None else first
+                    res["output"] = "same" if same_sets(got, first) else "differs"
                 rows_out.append(res)
                 prev = 0.0
                 parts = []
@@ -235,7 +265,8 @@ def main() -> None:
                     prev = t
                 print(f"C={C} B={B} L={L} W={W} cap={plan.cap} threads={plan.threads} seeds={res['seeds']} "
                       f"{' '.join(a.define)} {src or 'library'} "
-                      f"total {res[NAMES[stops[-1]]]:.2f} us: " + ", ".join(parts),
+                      f"total {res[NAMES[stops[-1]]]:.2f} us: " + ", ".join(parts)
+                      + (f" (output {res['output']})" if "output" in res else ""),
                       flush=True)
     write_rows(rows_out, a.out, "cuda_topk_phases.json")
 

@@ -472,6 +472,16 @@ def test_phase_cuts_anchor_in_the_library_source():
         ph.keep_kernels(source, {(16, 1024)})
 
 
+def test_phase_tool_compares_selections_as_sets_per_row():
+    """cuda_topk_phases.same_sets: a source whose rows hold the same positions in another order is
+    the same selection; one position changed, or positions moved to another row, is not."""
+    ph = _phases_tool()
+    a = torch.tensor([[0, 5, 9, -1], [1, 2, 3, 4]])
+    assert ph.same_sets(a, torch.tensor([[9, 0, 5, -1], [4, 3, 2, 1]]))
+    assert not ph.same_sets(a, torch.tensor([[0, 5, 8, -1], [1, 2, 3, 4]]))
+    assert not ph.same_sets(a, torch.tensor([[1, 2, 3, 4], [0, 5, 9, -1]]))
+
+
 @pytest.mark.skipif(not NVRTC_OK, reason=f"NVRTC unavailable: {NVRTC_WHY}")
 def test_phase_cut_compiles():
     """The finest cuts inside the register body compile (one kept kernel: seconds)."""
