@@ -12,9 +12,9 @@ the whole kernel only (one compile). ``--source A.cu --source ''`` times copies 
 the same inputs: every source's and cut's graph of a case is replayed in turn, ``--rounds``
 rounds in rotated order (a source timed first reads faster at one 4K row), the median kept, and
 each source's whole kernel (stop 99) is checked to select what the first source's does
-(``output``: same or differs); ``--logits indexer --per-seed`` times benchmarks/indexer.py's logits of each seed
-on its own (the top-k's time follows how many keys share the threshold's bins). Only the kernels
-the cases launch are compiled, the cuts in parallel.
+(``output``: same or differs); ``--logits indexer --per-seed`` times benchmarks/indexer.py's
+logits of each seed on its own (the top-k's time follows how many keys share the threshold's
+bins). Only the kernels the cases launch are compiled, the cuts in parallel.
 
     python benchmarks/cuda_topk_phases.py --logits indexer --per-seed --stops 99 \
         --cases 8:1x131072 --source old.cu --source ''
@@ -184,8 +184,8 @@ def main() -> None:
                          "repeatable: the copies side by side (--source '' names the library's)")
     ap.add_argument("--per-seed", action="store_true", help="time each input copy (seed) on its own")
     ap.add_argument("--rounds", type=int, default=20,
-                    help="replays of each cut's graph, every source and cut of a case in turn each round "
-                         "(rotated), so no source is timed first; the median is reported")
+                    help="replays of each cut's graph, every source and cut of a case in turn each "
+                         "round (rotated), so no source is timed first; the median is reported")
     ap.add_argument("--out", default=None, help="JSON path (default: $OUT/cuda_topk_phases.json if $OUT is set)")
     a = ap.parse_args()
     stops = tuple(int(s) for s in a.stops.split(","))

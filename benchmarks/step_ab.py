@@ -5,8 +5,8 @@
 
 Each ``--config NAME:ASSIGNMENTS`` (as ``indexer.py --config``, over ``--base``; the first is the
 baseline) gets its own workspace: the call's own size (as ``indexer.py``'s fp8 step), or with
-``--serving`` a serving runner's (``max(B, indexer.SERVING_ROWS)`` rows, 128K wide, as its exact step). For every
-shape, each config's step and its scorer alone (the route's kernel and splits, into that
+``--serving`` a serving runner's (``max(B, indexer.SERVING_ROWS)`` rows, 128K wide, as its exact
+step). For every shape, each config's step and its scorer alone (the route's kernel and splits, into that
 workspace's logits) are captured as CUDA graphs of rotated inputs and replayed interleaved
 (``graph_timer.interleaved_replay_us``), ``--rounds`` times over, in rotated order; the median of
 the rounds is reported. Checked first: each step's selection is an exact top-k of the logits its
@@ -113,9 +113,12 @@ def measure(B: int, L: int, configs: dict, serving: bool, rounds: int, iters: in
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="1x65536,64x65536")
-    ap.add_argument("--base", default="", help="assignments every config starts from (as indexer.py --config)")
-    ap.add_argument("--config", action="append", default=[], help="NAME:ASSIGNMENTS; the first is the baseline")
-    ap.add_argument("--serving", action="store_true", help="serving-size workspaces (indexer.py's exact step's)")
+    ap.add_argument("--base", default="",
+                    help="assignments every config starts from (as indexer.py --config)")
+    ap.add_argument("--config", action="append", default=[],
+                    help="NAME:ASSIGNMENTS; the first is the baseline")
+    ap.add_argument("--serving", action="store_true",
+                    help="serving-size workspaces (indexer.py's exact step's)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--iters", type=int, default=15, help="interleaved replays of each graph a round")
     ap.add_argument("--json", default="")

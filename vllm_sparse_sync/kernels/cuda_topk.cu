@@ -1443,7 +1443,7 @@ __device__ __forceinline__ void topk_cluster_row(const float* __restrict__ logit
 
     // shared memory only: may overlap the previous kernel (programmatic dependent launch). A
     // one-CTA 512-thread launch clears after issuing its first loads instead: its four stores a
-    // thread would queue ahead of them (benchmarks/NOTES.md, runs 138-141)
+    // thread would queue ahead of them (benchmarks/NOTES.md, runs 138-142)
     constexpr int words = C == 1 ? SOLO_WORDS : 2 * PASS_WORDS;  // hist.., glob..
     constexpr int quads = words / 4;
     constexpr bool clear_late = C == 1 && THREADS == 512;
@@ -1501,8 +1501,8 @@ __device__ __forceinline__ void topk_cluster_row(const float* __restrict__ logit
     cluster_split_row<C, THREADS, ALIGNED>(x, n, k, o, nan_low, cap, rank, first, sc);
 }
 
-// one CTA a row launches plainly, without a cluster attribute (a few tenths of a microsecond
-// less a launch at one row: benchmarks/NOTES.md, runs 140-141)
+// one CTA a row launches plainly, without a cluster attribute (measured as fast or faster at
+// every one-CTA shape: benchmarks/NOTES.md, runs 140-142)
 #define CLUSTER_ATTR_1
 #define CLUSTER_ATTR_2 __cluster_dims__(2, 1, 1)
 #define CLUSTER_ATTR_4 __cluster_dims__(4, 1, 1)
