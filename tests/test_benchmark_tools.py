@@ -28,6 +28,14 @@ def load_benchmark(name: str):
     return mod
 
 
+def main_exit_code(mod, argv: list[str], monkeypatch) -> int:
+    """The exit code of benchmark module ``mod``'s ``main()`` run with ``argv`` (it must exit)."""
+    monkeypatch.setattr(sys, "argv", [f"{mod.__name__}.py", *argv])
+    with pytest.raises(SystemExit) as exc:
+        mod.main()
+    return exc.value.code
+
+
 @pytest.fixture(scope="module")
 def indexer():
     return load_benchmark("indexer")
@@ -220,10 +228,8 @@ def test_shape_options_read_rows_by_width_and_exit_2_naming_the_option(monkeypat
         cold.shape_arg(ap, "1x4096,2x4096")  # a list where one shape is asked for
     assert exc.value.code == 2 and "--shape: one ROWSxWIDTH" in capsys.readouterr().err
     mod = load_benchmark("step_parts")  # a script's own option, before it looks for a GPU
-    monkeypatch.setattr(sys, "argv", ["step_parts.py", "--shapes", "1x100"])
-    with pytest.raises(SystemExit) as exc:
-        mod.main()
-    assert exc.value.code == 2 and "--shapes: '1x100'" in capsys.readouterr().err
+    assert main_exit_code(mod, ["--shapes", "1x100"], monkeypatch) == 2
+    assert "--shapes: '1x100'" in capsys.readouterr().err
 
 
 def test_step_parts_computes_the_gap():
@@ -285,10 +291,7 @@ def test_workspace_spread_reads_one_shape_and_spreads_only_ours(monkeypatch, cap
     assert lines[4] == "| ws_call_sized:step | - | 20.70 | | |"  # not in ptrs: a graph of its own
     bad = (["--shape", "1x4096,2x4096"], ["--shape", "1x100"], ["--workspaces", "0"], ["--pad-mb", "-1"])
     for argv in bad:
-        monkeypatch.setattr(sys, "argv", ["workspace_spread.py", *argv])
-        with pytest.raises(SystemExit) as exc:
-            mod.main()
-        assert exc.value.code == 2
+        assert main_exit_code(mod, argv, monkeypatch) == 2
     assert "--shape" in capsys.readouterr().err
 
 
@@ -335,10 +338,7 @@ def test_step_energy_reads_watts_from_the_energy_counter_inside_the_window(monke
     assert lines[3] == "| 1 x 4096 | 170.00 (690) | - | - | - | - | - |"
     bad = (["--shapes", "64x65536,1x100"], ["--seconds", "1"], ["--rounds", "0"], ["--config", "scorer.no=2"])
     for argv in bad:
-        monkeypatch.setattr(sys, "argv", ["step_energy.py", *argv])
-        with pytest.raises(SystemExit) as exc:
-            mod.main()
-        assert exc.value.code == 2
+        assert main_exit_code(mod, argv, monkeypatch) == 2
 
 
 @pytest.fixture(scope="module")
@@ -391,10 +391,8 @@ def test_step_ab_exits_2_on_its_own_options_before_looking_for_a_gpu(step_ab, mo
            ([*two, "b:scorer.nope=1"], "--config: config key 'scorer.nope'"),
            ([*two, "b:", "--rounds", "0"], "--rounds and --iters: must be >= 1")]
     for argv, message in bad:
-        monkeypatch.setattr(sys, "argv", ["step_ab.py", *argv])
-        with pytest.raises(SystemExit) as exc:
-            step_ab.main()
-        assert exc.value.code == 2 and f"error: {message}" in capsys.readouterr().err, argv
+        assert main_exit_code(step_ab, argv, monkeypatch) == 2
+        assert f"error: {message}" in capsys.readouterr().err, argv
     monkeypatch.setattr(sys, "argv", ["step_ab.py", *two, "b:scorer.cuda_fp8_min_tokens=1"])
     with pytest.raises(AssertionError, match="require_cuda"):  # valid options: on to the GPU check
         step_ab.main()
