@@ -83,9 +83,13 @@ def keep_kernels(text: str, keep: set[tuple[int, int]] | None) -> str:
     if keep is None:
         return text
     wanted = {f"TOPK_CLUSTER_KERNEL({c}, {t}, 1)" for c, t in keep}
+
+    def instance(line: str) -> str:  # the instantiation without a trailing comment
+        return line.split("//", 1)[0].strip()
+
     lines = [ln for ln in text.splitlines(keepends=True)
-             if not re.match(INSTANCE, ln) or ln.strip() in wanted]
-    missing = wanted - {ln.strip() for ln in lines}
+             if not re.match(INSTANCE, ln) or instance(ln) in wanted]
+    missing = wanted - {instance(ln) for ln in lines}
     if missing:
         raise ValueError(f"the source instantiates none of {sorted(missing)}")
     return "".join(lines)

@@ -468,8 +468,12 @@ def test_phase_cuts_anchor_in_the_library_source():
     assert text.startswith("#define STOP_AT 22\n") and "if (STOP_AT == 22)" in text
     kernels = re.findall(r"^(?:TOPK_CLUSTER_KERNEL|TOPK_KERNEL|DCP_MERGE_KERNEL)\(.*$", text, flags=re.M)
     assert kernels == ["TOPK_CLUSTER_KERNEL(8, 1024, 1)"]
+    # an instantiation with a trailing comment (16 CTAs) is kept too
+    kept = ph.keep_kernels(source, {(16, 1024)})
+    kernels = re.findall(r"^(?:TOPK_CLUSTER_KERNEL|TOPK_KERNEL|DCP_MERGE_KERNEL)\(.*$", kept, flags=re.M)
+    assert [k.split("//")[0].strip() for k in kernels] == ["TOPK_CLUSTER_KERNEL(16, 1024, 1)"]
     with pytest.raises(ValueError, match="instantiates none"):
-        ph.keep_kernels(source, {(16, 1024)})
+        ph.keep_kernels(source, {(3, 1024)})
 
 
 def test_phase_tool_compares_selections_as_sets_per_row():
