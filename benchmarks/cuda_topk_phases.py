@@ -226,10 +226,9 @@ def main() -> None:
         cubins = list(pool.map(_compile, [arch] * len(texts), texts))
     modules = {job: cuda_topk._check(driver.cuModuleLoadData(cubin), "cuModuleLoadData")
                for job, cubin in zip(jobs, cubins)}
-    attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
     rows_out = []
     for C, B, L, W, plan in cases:
-        name = cuda_topk.cluster_kernel_name(C, True, plan.threads).encode()
+        name = cuda_topk.cluster_kernel_name(C, True, plan.threads)
         g = torch.Generator(device="cuda").manual_seed(B + L)
         if a.logits == "indexer":
             xs = [indexer_logits(B, L, W, seed) for seed in seeds]
@@ -243,8 +242,7 @@ def main() -> None:
             named, fns = {}, {}
             for src in sources:  # the sources side by side on the same inputs, timed in turn
                 for stop in stops:
-                    fn = cuda_topk._check(driver.cuModuleGetFunction(modules[(src, stop)], name), "get")
-                    cuda_topk._check(driver.cuFuncSetAttribute(fn, attr, plan.smem), "smem")
+                    fn = cuda_topk.load_cluster_function(driver, modules[(src, stop)], name, plan.smem)
                     fns[(src, stop)] = fn
                     named[(src, stop)] = cut_calls(fake, fn, plan, C, inputs, lens, out, a.ncalls)
             times = interleaved_replay_us(named, a.rounds)

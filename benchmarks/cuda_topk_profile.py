@@ -42,7 +42,6 @@ def run_cases(cases: str, mean: float, std: float, defines: list[str], warmup: i
     text = "".join(f"#define {d.replace('=', ' ', 1)}\n" for d in defines) + cuda_topk.source()
     cubin, _ = cuda_topk.compile_source(f"sm_{major}{minor}", text=text, extra_options=("-lineinfo",))
     module = cuda_topk._check(driver.cuModuleLoadData(cubin), "cuModuleLoadData")
-    attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
     for case in cases.split(","):
         C, shape = case.split(":")
         C = int(C)
@@ -51,8 +50,7 @@ def run_cases(cases: str, mean: float, std: float, defines: list[str], warmup: i
         W = int(wide) if wide else L
         plan = cuda_topk.plan_cluster(B, W, mod.sm_count, mod.smem_optin, cluster=C)
         name = cuda_topk.cluster_kernel_name(C, True, plan.threads)
-        fn = cuda_topk._check(driver.cuModuleGetFunction(module, name.encode()), "cuModuleGetFunction")
-        cuda_topk._check(driver.cuFuncSetAttribute(fn, attr, plan.smem), "smem")
+        fn = cuda_topk.load_cluster_function(driver, module, name, plan.smem)
         g = torch.Generator(device="cuda").manual_seed(B + L)
         x = torch.randn(B, W, device="cuda", generator=g) * std + mean
         lens = torch.full((B,), L, dtype=torch.int32, device="cuda")

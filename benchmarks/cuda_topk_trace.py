@@ -122,17 +122,15 @@ def main() -> None:
         base = open(src).read() if src else None
         cubin = _compile(arch, traced_source(base, keep))
         modules[src] = cuda_topk._check(driver.cuModuleLoadData(cubin), "cuModuleLoadData")
-    attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
     rows = []
     for C, B, L, W, plan in cases:
         xs = [indexer_logits(B, L, W, seed) for seed in seeds]
         lens = torch.full((B,), L, dtype=torch.int32, device="cuda")
         out = torch.empty(B, K, dtype=torch.int32, device="cuda")
-        name = cuda_topk.cluster_kernel_name(C, True, plan.threads).encode()
+        name = cuda_topk.cluster_kernel_name(C, True, plan.threads)
         for src in sources:
             module = modules[src]
-            fn = cuda_topk._check(driver.cuModuleGetFunction(module, name), "get")
-            cuda_topk._check(driver.cuFuncSetAttribute(fn, attr, plan.smem), "smem")
+            fn = cuda_topk.load_cluster_function(driver, module, name, plan.smem)
             read_trace(driver, module, zero=True)
             us = time_cut(fake, fn, plan, C, xs, lens, out, a.ncalls)
             t = read_trace(driver, module)

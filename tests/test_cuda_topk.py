@@ -476,6 +476,39 @@ def test_phase_cuts_anchor_in_the_library_source():
         ph.keep_kernels(source, {(3, 1024)})
 
 
+class _FakeDriver:
+    """What load_cluster_function asks of cuda-bindings' driver, recorded."""
+
+    class CUfunction_attribute:  # noqa: N801 (the driver's name)
+        CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED = "non-portable"
+        CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = "smem"
+
+    def __init__(self):
+        self.set = []
+
+    def cuModuleGetFunction(self, module, name):  # noqa: N802
+        return 0, ("fn", module, name)
+
+    def cuFuncSetAttribute(self, fn, attr, value):  # noqa: N802
+        self.set.append((fn[2], attr, value))
+        return (0,)
+
+
+@pytest.mark.parametrize("cluster", cuda_topk.CLUSTER_SIZES)
+def test_a_tool_loaded_kernel_gets_its_cluster_size_and_shared_memory(cluster):
+    """cuda_topk.load_cluster_function (the phase, trace and profile tools' kernels): a 16-CTA
+    kernel is allowed the non-portable size (run 146's tool could not launch one without it), a
+    smaller one is not touched, and every kernel gets its shared memory."""
+    drv = _FakeDriver()
+    name = cuda_topk.cluster_kernel_name(cluster, True)
+    fn = cuda_topk.load_cluster_function(drv, "module", name, 123456)
+    assert fn == ("fn", "module", name.encode())
+    want = [(name.encode(), "smem", 123456)]
+    if cluster > cuda_topk.PORTABLE_CLUSTER:
+        want.insert(0, (name.encode(), "non-portable", 1))
+    assert drv.set == want
+
+
 def test_phase_tool_compares_selections_as_sets_per_row():
     """cuda_topk_phases.same_sets: a source whose rows hold the same positions in another order is
     the same selection; one position changed, or positions moved to another row, is not."""

@@ -357,9 +357,7 @@ class _Module:
             fn = _check(
                 self.driver.cuModuleGetFunction(self.module, name.encode()), f"cuModuleGetFunction({name})"
             )
-            if name.startswith("topk_cluster_c16_"):
-                allow = self.driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED
-                _check(self.driver.cuFuncSetAttribute(fn, allow, 1), "cuFuncSetAttribute(non-portable)")
+            allow_cluster_size(self.driver, fn, name)
             self.functions[name] = fn
         # past 48 KB less the kernel's static share (at most STATIC_SMEM_RESERVE) the launch needs the opt-in
         if smem > _STATIC_SMEM_LIMIT - STATIC_SMEM_RESERVE and self.smem_set.get(name, 0) < smem:
@@ -367,6 +365,24 @@ class _Module:
             _check(self.driver.cuFuncSetAttribute(fn, attr, smem), "cuFuncSetAttribute(max dynamic smem)")
             self.smem_set[name] = smem
         return fn
+
+
+def allow_cluster_size(driver, fn, name: str) -> None:
+    """Let kernel ``name`` (``fn``) launch its cluster size: a 16-CTA kernel needs the non-portable
+    size allowed before its first launch."""
+    if name.startswith("topk_cluster_c16_"):
+        allow = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED
+        _check(driver.cuFuncSetAttribute(fn, allow, 1), "cuFuncSetAttribute(non-portable)")
+
+
+def load_cluster_function(driver, module, name: str, smem: int):
+    """Kernel ``name`` of a loaded experiment ``module`` (a benchmark tool's copy of the source),
+    ready to launch a cluster with ``smem`` bytes of dynamic shared memory."""
+    fn = _check(driver.cuModuleGetFunction(module, name.encode()), f"cuModuleGetFunction({name})")
+    allow_cluster_size(driver, fn, name)
+    attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    _check(driver.cuFuncSetAttribute(fn, attr, smem), "cuFuncSetAttribute(max dynamic smem)")
+    return fn
 
 
 _MODULES: dict[int, _Module] = {}
