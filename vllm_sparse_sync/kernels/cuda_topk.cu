@@ -1400,6 +1400,16 @@ __device__ __forceinline__ void topk_reg_body(const float* __restrict__ x, int n
 
 #define WIDE_SPLIT_KEYS (8 * 8192)  // cuda_topk.WIDE_CLUSTER_MIN_KEYS
 
+// the shared-memory body of a row split over 8 or 16 CTAs, compiled out of line: those launches
+// run it only for chunks longer than the registers hold (rows past 128K or 256K keys), and the
+// register body every shorter row runs measured faster without it inline (benchmarks/NOTES.md,
+// run 147; inline stays for 2 and 4 CTAs, whose 64K-128K rows run this body)
+template <int C, int THREADS, bool ALIGNED>
+__device__ __noinline__ void split_smem_row(const float* __restrict__ x, int n, int k, int* __restrict__ o,
+                                            int nan_low, int cap, u32 rank, FirstKeys first, BodyScratch& sc) {
+    topk_cluster_body<C, THREADS, ALIGNED, false>(x, n, k, o, nan_low, cap, rank, first, sc);
+}
+
 // a row of n live keys (more than SOLO_MAX or than cap) split over the C CTAs of this cluster:
 // a row whose chunks fit the registers runs from them on every CTA of a 1024-thread launch
 // (cuda_topk_emu.chunks_in_registers; 512 threads have 64 registers each)
@@ -1415,7 +1425,10 @@ __device__ __forceinline__ void cluster_split_row(const float* __restrict__ x, i
         topk_reg_body<C, THREADS, THREADS, 0, ALIGNED>(x + lo, n, lo, len, k, o, nan_low, rank, first, nullptr, sc);
         return;
     }
-    topk_cluster_body<C, THREADS, ALIGNED, false>(x, n, k, o, nan_low, cap, rank, first, sc);
+    if constexpr (C >= 8)
+        split_smem_row<C, THREADS, ALIGNED>(x, n, k, o, nan_low, cap, rank, first, sc);
+    else
+        topk_cluster_body<C, THREADS, ALIGNED, false>(x, n, k, o, nan_low, cap, rank, first, sc);
 }
 
 // zero the first QUADS 16-byte words of smem
