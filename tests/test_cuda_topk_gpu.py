@@ -130,6 +130,31 @@ def test_every_cluster_launch_size_runs(cluster, threads):
         assert torch.equal(got, _launch(x, lens, torch.empty_like(got))), width
 
 
+@pytest.mark.parametrize("cluster", [8, 16])
+def test_wide_clusters_run_chunks_past_the_registers_out_of_line(cluster):
+    """8 and 16 CTAs of 1024 threads: a row whose chunk is longer than the registers hold (past
+    cluster x 16K keys) runs the shared-memory body compiled out of line (split_smem_row), and
+    selects what the one-CTA kernel does, in the same order; rows on either side of the edge too."""
+    from vllm_sparse_sync.kernels import cuda_topk
+
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("the cluster route needs sm_90+")
+    edge = cluster * 4 * 4 * 1024  # cuda_topk_emu.chunks_in_registers' longest row
+    width = edge + 60000
+    g = torch.Generator(device=DEV).manual_seed(cluster)
+    x = torch.randn(5, width, device=DEV, generator=g)
+    x[4] = x[4].round()  # many equal keys: the threshold's ties span the chunks
+    lens = torch.tensor([width, edge + 4, edge, edge - 4, width - 3], dtype=torch.int32, device=DEV)
+    got = torch.empty(5, K, dtype=torch.int32, device=DEV)
+    plan = cuda_topk.launch_cuda_topk_cluster(x, x.stride(0), lens, None, got, K, width, cluster=cluster,
+                                              threads=1024)
+    if cluster > cuda_topk.PORTABLE_CLUSTER and plan.cluster != cluster:
+        pytest.skip(f"this device cannot launch {cluster}-CTA clusters")
+    assert plan.cluster == cluster and plan.threads == 1024
+    assert torch.equal(got, _launch(x, lens, torch.empty_like(got)))
+    assert torch.equal(_sets(got), _sets(ref.topk_indices(x, lens, K)))
+
+
 @pytest.mark.parametrize("route", [1, 4])
 @pytest.mark.parametrize("cap", [4, 1000, 6000])
 def test_cluster_chunks_longer_than_shared_memory_read_the_rest_from_global(route, cap):
