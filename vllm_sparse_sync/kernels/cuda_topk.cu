@@ -1402,11 +1402,13 @@ __device__ __forceinline__ void topk_reg_body(const float* __restrict__ x, int n
 
 // the shared-memory body of a row split over 8 or 16 CTAs, compiled out of line: those launches
 // run it only for chunks longer than the registers hold (rows past 128K or 256K keys), and the
-// register body every shorter row runs measured faster without it inline (benchmarks/NOTES.md,
-// run 147; inline stays for 2 and 4 CTAs, whose 64K-128K rows run this body)
+// register body every shorter row runs measured faster without it inline: the top-k alone by
+// 0.1-0.3 us, the step by 0.8-1.9 us at 1-8 rows of 64K-128K (benchmarks/NOTES.md, runs 147 and
+// 149). Inline stays for 2 and 4 CTAs, whose 64K-128K rows run this body
 template <int C, int THREADS, bool ALIGNED>
 __device__ __noinline__ void split_smem_row(const float* __restrict__ x, int n, int k, int* __restrict__ o,
-                                            int nan_low, int cap, u32 rank, FirstKeys first, BodyScratch& sc) {
+                                            int nan_low, int cap, u32 rank, FirstKeys first,
+                                            BodyScratch& sc) {
     topk_cluster_body<C, THREADS, ALIGNED, false>(x, n, k, o, nan_low, cap, rank, first, sc);
 }
 
