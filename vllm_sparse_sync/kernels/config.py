@@ -63,7 +63,7 @@ class ScorerConfig:
     cuda_fp8_min_tokens: int = 64 * 65536
     """The e4m3 path (``precise`` False) takes the CUDA scorer for calls of at least this many
     rows x width-bound tokens (0: never by size; Triton's e4m3 kernel below it): its step measured
-    0.5-2% faster from 4M tokens, even at 2M and 1-2% slower at 2-16 rows of 64K
+    0.5-2% faster from 4M tokens, tied at 2M, and 1-2% slower at 2-16 rows of 64K
     (benchmarks/NOTES.md, runs 138-139)."""
     cuda_fp8_one_row_min_width: int = 0
     """The e4m3 path takes the CUDA scorer for one-row calls of a width bound of at least this
