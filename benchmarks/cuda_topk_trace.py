@@ -85,6 +85,20 @@ def traced_source(base: str | None, keep) -> str:
     return text.replace(marker, PRELUDE + marker, 1)
 
 
+def phase_cycles(t: list[int]) -> dict[str, float]:
+    """Each stamped phase's mean cycles a launch, from a trace's sums (``read_trace``): a stamp
+    the launches never reached is skipped, its cycles counted in the next reached one."""
+    n = t[COUNT]
+    out, prev = {}, None
+    for slot, label, _, _ in POINTS:
+        if t[slot] == 0:
+            continue
+        if prev is not None:
+            out[label] = (t[slot] - t[prev]) / n
+        prev = slot
+    return out
+
+
 def read_trace(driver, module, zero: bool = False) -> list[int]:
     """The trace's sums (after the stream's work), or zeroes them (``zero``)."""
     dptr, size = cuda_topk._check(driver.cuModuleGetGlobal(module, b"vss_trace"), "cuModuleGetGlobal")
@@ -138,16 +152,8 @@ def main() -> None:
             ns = (t[GT_END] - t[GT_START]) / n
             mhz = ((t[GT_AT] - t[0]) / n) / ns * 1e3 if ns > 0 else float("nan")
             res = {"C": C, "B": B, "L": L, "W": W, "threads": plan.threads, "source": src, "launches": n,
-                   "replay_us": us, "sm_mhz": mhz, "phases": {}}
-            prev = None
-            parts = []
-            for slot, label, _, _ in POINTS:
-                if prev is not None and t[slot] != 0:
-                    cyc = (t[slot] - t[prev]) / n
-                    res["phases"][label] = cyc
-                    parts.append(f"{label} {cyc:.0f} ({cyc / mhz:.2f} us)")
-                if t[slot] != 0:
-                    prev = slot
+                   "replay_us": us, "sm_mhz": mhz, "phases": phase_cycles(t)}
+            parts = [f"{label} {cyc:.0f} ({cyc / mhz:.2f} us)" for label, cyc in res["phases"].items()]
             rows.append(res)
             print(f"C={C} B={B} L={L} W={W} threads={plan.threads} {src or 'library'}: replay {us:.2f} us, "
                   f"{mhz:.0f} MHz, {n} launches; " + ", ".join(parts), flush=True)

@@ -552,6 +552,59 @@ def test_traced_source_compiles():
     assert len(cubin) > 1000
 
 
+def test_step_timeline_stamps_every_cluster_kernel_once():
+    """benchmarks/step_timeline.py: the entry, release and end stamps find their one place each in
+    cuda_topk.cu (the release right after the dependency wait, the end after the row), and a
+    source that moved an anchor is refused by name."""
+    st = _bench_tool("step_timeline")
+    text = st.stamped_source(cuda_topk.source())
+    assert text.count("vss_released();") == 1  # the one call (the prelude defines it)
+    assert 'griddepcontrol.wait;" ::: "memory");\n    vss_released();' in text
+    macro = text[text.index("#define TOPK_CLUSTER_KERNEL"):]
+    macro = macro[:macro.index("TOPK_CLUSTER_KERNEL(1, 1024, 1)")]
+    assert macro.index("vss_entry();") < macro.index("topk_cluster_row<") < macro.index("vss_end();")
+    with pytest.raises(ValueError, match="anchor not once"):
+        st.stamped_source(cuda_topk.source().replace("griddepcontrol.wait;", "griddepcontrol.wait ;"))
+
+
+def test_step_timeline_means_follow_the_launch_records():
+    """step_timeline.launch_stats on records of known times: the gap skips each replay's first
+    launch, the clock is cycles over nanoseconds, and a launch with no CTA recorded is refused."""
+    st = _bench_tool("step_timeline")
+    rec = st.empty_records()
+    f = {name: i for i, name in enumerate(st.FIELDS)}
+    ends = [10_000, 30_000, 51_000, 100_000]  # ns: two replays of two launches
+    for i, end in enumerate(ends):
+        rec[i, f["entry_min"]] = end - 6000
+        rec[i, f["release_min"]] = end - 4000
+        rec[i, f["release_max"]] = end - 3000 - 1000 * (i % 2)
+        rec[i, f["end_max"]] = end
+        rec[i, f["slowest_cycles"]] = 7000
+        rec[i, f["cycles"]] = 2 * 3500
+        rec[i, f["ns"]] = 2 * 2000
+        rec[i, f["ctas"]] = 2
+    s = st.launch_stats(rec, 4, 2)
+    assert s["mhz"] == pytest.approx(1750.0)
+    assert s["gap_us"] == pytest.approx(((30_000 - 4000 - 10_000) + (100_000 - 4000 - 51_000)) / 2e3)
+    assert s["span_us"] == pytest.approx(4.0) and s["early_us"] == pytest.approx(2.0)
+    assert s["spread_us"] == pytest.approx(0.0) and s["slowest_us"] == pytest.approx(4.0)
+    assert s["ctas"] == 2 and s["launches"] == 4
+    rec[3, f["ctas"]] = 0
+    with pytest.raises(ValueError, match="unequal CTA counts"):
+        st.launch_stats(rec, 4, 2)
+    with pytest.raises(ValueError, match="at most"):
+        st.launch_stats(rec, st.SLOTS + 1, 2)
+
+
+@pytest.mark.skipif(not NVRTC_OK, reason=f"NVRTC unavailable: {NVRTC_WHY}")
+def test_step_timeline_stamped_source_compiles():
+    st = _bench_tool("step_timeline")
+    ph = _phases_tool()
+    text = st.stamped_source(ph.keep_kernels(cuda_topk.source(), {(2, 1024)}))
+    cubin, _ = cuda_topk.compile_source("sm_90", text=text)
+    assert len(cubin) > 1000
+
+
 def test_benchmark_cases_parse_to_the_planner_launches():
     """``C:BxL[/W][@T]``: the width defaults to L and the threads to the planner's; a malformed
     case or one the planner refuses raises naming it."""
