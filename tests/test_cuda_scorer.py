@@ -227,6 +227,16 @@ def test_the_source_compiles_for_sm90a_without_spills(consumers):
         assert int(regs) * 32 * -(-warps // 4) <= 16384, (name, regs)
 
 
+@pytest.mark.skipif(not NVRTC_OK, reason=f"NVRTC unavailable: {NVRTC_WHY}")
+def test_the_default_build_copies_pages_evict_first():
+    """The library's build is the one whose page copies carry the L2 evict-first policy
+    (KEYS_EVICT_FIRST=1: the logits stay in L2 for the top-k, benchmarks/NOTES.md run 154), not
+    the plain copy's (KEYS_EVICT_FIRST=0)."""
+    default, _ = cuda_scorer.build_cubin(())
+    assert default == cuda_scorer.build_cubin((("KEYS_EVICT_FIRST", 1),))[0]
+    assert default != cuda_scorer.build_cubin((("KEYS_EVICT_FIRST", 0),))[0]
+
+
 def test_the_variant_tool_launches_the_library_source_as_the_module_does():
     """benchmarks/cuda_scorer_variants.py: a variant spec parses (a malformed one is refused by
     name), and the library source's launch geometry read from its macros is the module's."""

@@ -13,7 +13,9 @@
 //             (see "rings" below) with the bulk copy
 //             engine (cp.async.bulk, completion on the slot's full mbarrier), as far ahead as
 //             the ring allows; a slot is refilled once the four warps that read it have arrived
-//             on its empty mbarrier. The producer fetches the page ids 32 tiles ahead and issues
+//             on its empty mbarrier. The copies mark their L2 lines evict-first: a page is read
+//             once a step, and the logits the top-k reads next stay in L2 (benchmarks/NOTES.md,
+//             run 154). The producer fetches the page ids 32 tiles ahead and issues
 //             the first tiles before the CTA's one barrier. Past it no warp waits for the CTA.
 //   rings     a kernel holds STAGES slots (STAGES_SHORT or STAGES_DEEP); a program runs all of
 //             them where it has at least deep_tiles live tiles (from the device length, so the
@@ -126,10 +128,23 @@ __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
     } while (!done);
 }
 
+#ifndef KEYS_EVICT_FIRST
+#define KEYS_EVICT_FIRST 1  // the pages' copies mark their L2 lines evict-first (0: L2's default)
+#endif
+
 __device__ __forceinline__ void bulk_copy(u32 dst, const void* src, u32 bytes, u32 bar) {
+#if KEYS_EVICT_FIRST
+    u64 policy;
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;"
+        ::"r"(dst), "l"(src), "r"(bytes), "r"(bar), "l"(policy)
+        : "memory");
+#else
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
                  ::"r"(dst), "l"(src), "r"(bytes), "r"(bar)
                  : "memory");
+#endif
 }
 
 // four e4m3 as two f16x2: bytes 0, 1 -> lo, bytes 2, 3 -> hi (the lower byte in the lower half).
