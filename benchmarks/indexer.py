@@ -209,13 +209,15 @@ def bench_ours(inp: Inputs, ncalls: int, config, res: dict, algos: tuple[str, ..
                 *inp.args(i), TOPK, width=L, workspace=ws_f, out=out), ncalls)
     res["step_wide_host_us"] = timeit(lambda i: step(i, WIDE), ncalls)
     res["step_wide_active_us"] = timeit(lambda i: step(i, WIDE, active), ncalls)
-    # top-k alone, on dense logits of width L (rotated copies)
-    nl = max(2, min(ncalls, math.ceil(L2_BYTES / (B * L * 4))))
-    first = tk.paged_indexer_logits(*inp.args(0), L)
-    logits = [first] + [first.clone() for _ in range(nl - 1)]
+    # top-k alone, on the buffers the peers' top-k get (each input copy's scores), read L wide
+    _, npeer, _, peer_bufs = peer_logits(inp, ncalls)
+    views = [b[:, :L] for b in peer_bufs]
     tws = IndexerTopkWorkspace(B, TOPK, 0, DEV, config=config)
     res["topk_us"] = timeit(lambda i: lambda: tk.topk_indices(
-        logits[i % nl], inp.lens, TOPK, workspace=tws, out=out), ncalls)
+        views[i % npeer], inp.lens, TOPK, workspace=tws, out=out), ncalls)
+    # dense logits of width L (each input copy's) for the dense scorer and the other top-k
+    nl = max(2, min(ncalls, math.ceil(L2_BYTES / (B * L * 4))))
+    logits = [tk.paged_indexer_logits(*inp.args(j), L) for j in range(nl)]
     res["dense_scorer_us"] = timeit(lambda i: lambda: tk.paged_indexer_logits(
         *inp.args(i), L, out=logits[i % nl], config=config), ncalls)
     # the other top-k algorithms: top-k alone and the whole step (``topk_<algo>_us``, ``step_<algo>_us``)
@@ -330,16 +332,20 @@ def load_flashinfer_topk():
 
 
 def peer_logits(inp: Inputs, ncalls: int):
-    """The dense logits the peer top-k kernels get: ``(width, copies, first, copies list)``, a
-    128K-wide buffer (``-inf`` past the live length) where it fits, rotated past L2."""
+    """The dense logits every top-k alone gets, ours and the peers': ``(width, buffers, first,
+    buffer list)``, 128K-wide buffers (``-inf`` past the live length) where they fit, rotated past
+    L2; buffer j holds input copy j's scores, so the calls select from the inputs the step sees."""
     from vllm_sparse_sync.kernels import triton_ops as tk
 
     B, L = inp.B, inp.L
     width = WIDE if B * WIDE * 4 < 2e9 else L
     nl = max(2, min(ncalls, math.ceil(L2_BYTES / (B * width * 4)), 16))
-    base = torch.full((B, width), float("-inf"), device=DEV)
-    base[:, :L] = tk.paged_indexer_logits(*inp.args(0), L)
-    return width, nl, base, [base] + [base.clone() for _ in range(nl - 1)]
+    bufs = []
+    for j in range(nl):
+        buf = torch.full((B, width), float("-inf"), device=DEV)
+        buf[:, :L] = tk.paged_indexer_logits(*inp.args(j), L)
+        bufs.append(buf)
+    return width, nl, bufs[0], bufs
 
 
 def fi_call(lib, x, out, offsets, lens, states, algo: int):
