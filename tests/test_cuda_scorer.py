@@ -127,7 +127,7 @@ def test_the_planner_takes_the_cuda_scorer_where_the_device_can():
     assert plan_route(64, 65536, 32, hopper).scorer == TRITON  # pages of another size
     assert plan_route(64, 65536, 64, DeviceInfo(num_sms=132)).scorer == TRITON
     off = DEFAULT_CONFIG.with_values(**{"scorer.cuda": False})
-    fp8 = DEFAULT_CONFIG.with_values(**{"scorer.precise": False})  # Triton's e4m3 kernel is faster
+    fp8 = DEFAULT_CONFIG.with_values(**{"scorer.precise": False})  # no width: under cuda_fp8_min_tokens
     assert scorer_for(64, 64, hopper, off) == TRITON and scorer_for(64, 64, hopper) == CUDA
     assert scorer_for(64, 64, hopper, fp8) == TRITON
 
@@ -157,12 +157,15 @@ def test_the_e4m3_path_takes_the_cuda_scorer_only_where_asked():
     assert scorer_for(1, 64, DeviceInfo(num_sms=132), one, 65536) == TRITON
     assert scorer_for(1, 32, hopper, one, 65536) == TRITON
     assert scorer_for(1, 64, hopper, one.with_values(**{"scorer.cuda": False}), 65536) == TRITON
-    # the defaults: from 4M rows x width tokens, never for one row below that
+    # the defaults: from 64K rows x width tokens (run 156), one row of 64K included
     e4m3 = DEFAULT_CONFIG.with_values(**{"scorer.precise": False})
     assert scorer_for(64, 64, hopper, e4m3, 65536) == CUDA
-    assert scorer_for(128, 64, hopper, e4m3, 32768) == CUDA
-    assert scorer_for(32, 64, hopper, e4m3, 65536) == TRITON
-    assert scorer_for(1, 64, hopper, e4m3, 131072) == TRITON
+    assert scorer_for(128, 64, hopper, e4m3, 8192) == CUDA
+    assert scorer_for(8, 64, hopper, e4m3, 65536) == CUDA
+    assert scorer_for(1, 64, hopper, e4m3, 65536) == CUDA
+    assert scorer_for(4, 64, hopper, e4m3, 16384) == CUDA
+    assert scorer_for(1, 64, hopper, e4m3, 32768) == TRITON
+    assert scorer_for(1, 64, hopper, e4m3, 4096) == TRITON
     for name in ("cuda_fp8_min_tokens", "cuda_fp8_one_row_min_width"):
         with pytest.raises(ValueError, match=name):
             DEFAULT_CONFIG.with_values(**{f"scorer.{name}": -1})

@@ -60,11 +60,13 @@ class ScorerConfig:
     """The width bound from which a one-row call takes the CUDA exact scorer (0: only from
     ``cuda_min_width``): one row of 4K-16K scores as fast or faster there (benchmarks/NOTES.md,
     runs 90, 93 and 94)."""
-    cuda_fp8_min_tokens: int = 64 * 65536
+    cuda_fp8_min_tokens: int = 65536
     """The e4m3 path (``precise`` False) takes the CUDA scorer for calls of at least this many
-    rows x width-bound tokens (0: never by size; Triton's e4m3 kernel below it): its step measured
-    0.5-2% faster from 4M tokens, tied at 2M, and 1-2% slower at 2-16 rows of 64K
-    (benchmarks/NOTES.md, runs 138-139)."""
+    rows x width-bound tokens (0: never by size; Triton's e4m3 kernel below it): since its page
+    copies leave the logits in L2 (evict-first), its step measured 0.5-4.4% faster at every shape
+    from one row of 64K to 128 rows of 8K (benchmarks/NOTES.md, run 156; before them it lost at
+    2-16 rows of 64K, runs 138-139). Below 64K tokens it measured 0.988-0.999 of Triton's (one
+    run, run 157), not yet taken."""
     cuda_fp8_one_row_min_width: int = 0
     """The e4m3 path takes the CUDA scorer for one-row calls of a width bound of at least this
     (0: only by ``cuda_fp8_min_tokens``)."""
