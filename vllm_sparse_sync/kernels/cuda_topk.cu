@@ -1403,8 +1403,9 @@ __device__ __forceinline__ void topk_reg_body(const float* __restrict__ x, int n
 // the shared-memory body of a row split over 8 or 16 CTAs, compiled out of line: those launches
 // run it only for chunks longer than the registers hold (rows past 128K or 256K keys), and the
 // register body every shorter row runs measured faster without it inline: the top-k alone by
-// 0.1-0.3 us, the step by 0.8-1.9 us at 1-8 rows of 64K-128K (benchmarks/NOTES.md, runs 147 and
-// 149). Inline stays for 2 and 4 CTAs, whose 64K-128K rows run this body
+// 0.1-0.3 us, the step by 0.8-1.9 us at 1-8 rows of 64K-128K, mostly in the listed-bin phase
+// (benchmarks/NOTES.md, runs 147, 149 and 153). Inline stays for 2 and 4 CTAs, whose 64K-128K
+// rows run this body
 template <int C, int THREADS, bool ALIGNED>
 __device__ __noinline__ void split_smem_row(const float* __restrict__ x, int n, int k, int* __restrict__ o,
                                             int nan_low, int cap, u32 rank, FirstKeys first,
