@@ -11,7 +11,8 @@ Our step runs on a workspace sized for a serving runner (``SERVING_ROWS`` rows, 
 the route each call takes is the planner's choice for the call's own rows. ``--baseline`` prints
 each shape's step time over a committed run's. Times are medians of CUDA-graph replays (per-call
 = replay time / calls per graph) with inputs rotated over enough copies that one graph's inputs
-exceed L2. Shapes are docs/design.md's (H=64, D=128, k=2048). Peers are measured when the
+exceed L2; every top-k alone (ours and each peer's) reads the same rotated buffers of those
+copies' scores. Shapes are docs/design.md's (H=64, D=128, k=2048). Peers are measured when the
 checkout holds ``.peers/`` (DeepGEMM paged MQA logits) or ``.peers_topk/`` (vLLM top-k ops),
 made by ``benchmarks/peers.sh``, or ``.peers_fi/`` (FlashInfer's native top-k headers, made by
 ``benchmarks/peers_flashinfer.sh``, compiled here with nvcc) or ``.peers_sgl/`` (SGLang's
