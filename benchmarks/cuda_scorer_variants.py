@@ -49,6 +49,17 @@ class Variant:
     deep_tiles: int | None = None
 
 
+def parse_macros(spec: str, defs: str) -> dict[str, int]:
+    """``"MACRO=VALUE,..."`` (of variant ``spec``) as a dict; a clear error naming a malformed item."""
+    defines = {}
+    for item in filter(None, defs.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq or not re.fullmatch(r"[A-Z_][A-Z0-9_]*", key) or not re.fullmatch(r"-?\d+", value):
+            raise ValueError(f"variant {spec!r}: macro {item!r} is not MACRO=INTEGER")
+        defines[key] = int(value)
+    return defines
+
+
 def parse_variant(spec: str) -> Variant:
     """``NAME=PATH[@STAGES[/DEEP_TILES]][:MACRO=VALUE,...]`` (a clear error naming a malformed spec)."""
     name, eq, rest = spec.partition("=")
@@ -62,12 +73,7 @@ def parse_variant(spec: str) -> Variant:
         raise ValueError(f"variant {spec!r}: @{stages} is not a stage count")
     if slash and not deep.isdigit():
         raise ValueError(f"variant {spec!r}: /{deep} is not a tile count")
-    defines = {}
-    for item in filter(None, defs.split(",")):
-        key, eq, value = item.partition("=")
-        if not eq or not re.fullmatch(r"[A-Z_][A-Z0-9_]*", key) or not re.fullmatch(r"-?\d+", value):
-            raise ValueError(f"variant {spec!r}: macro {item!r} is not MACRO=INTEGER")
-        defines[key] = int(value)
+    defines = parse_macros(spec, defs)
     deep_tiles = int(deep) if slash else (0 if at else None)
     return Variant(name, path, defines, int(stages) if at else None, deep_tiles)
 

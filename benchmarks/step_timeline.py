@@ -48,6 +48,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
 from cold_start import shapes_arg  # noqa: E402
+from cuda_scorer_variants import parse_macros  # noqa: E402
 
 from vllm_sparse_sync.kernels import cuda_topk  # noqa: E402
 
@@ -171,13 +172,7 @@ def parse_variant(text: str) -> tuple[str, str, tuple[tuple[str, int], ...]]:
     if not sep or not re.fullmatch(r"[\w.-]+", name):
         raise ValueError(f"--variant: want NAME=[TOPK_PATH][:MACRO=V,...], got {text!r}")
     path, _, macros = rest.partition(":")
-    defines = []
-    for m in (m for m in macros.split(",") if m):
-        key, eq, value = m.partition("=")
-        if not eq or not re.fullmatch(r"[A-Z_][A-Z0-9_]*", key) or not re.fullmatch(r"-?\d+", value):
-            raise ValueError(f"--variant {name}: a scorer macro is MACRO=INT, got {m!r}")
-        defines.append((key, int(value)))
-    return name, path, tuple(defines)
+    return name, path, tuple(parse_macros(text, macros).items())
 
 
 def topk_on_copies(route, logits: list, lens, ws, out, width: int):

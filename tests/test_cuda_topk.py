@@ -596,6 +596,19 @@ def test_step_timeline_means_follow_the_launch_records():
         st.launch_stats(rec, st.SLOTS + 1, 2)
 
 
+def test_step_timeline_variants_parse_and_a_malformed_one_is_refused_by_name():
+    """``NAME=[TOPK_PATH][:MACRO=V,...]``: the top-k copy may be empty (the library's), the macros
+    go to the scorer's build in order; a missing name or a macro that is not MACRO=INT is refused."""
+    st = _bench_tool("step_timeline")
+    assert st.parse_variant("evict=:KEYS_EVICT_FIRST=1,STAGES_SHORT=8") == (
+        "evict", "", (("KEYS_EVICT_FIRST", 1), ("STAGES_SHORT", 8)))
+    assert st.parse_variant("old=.dev/old.cu") == ("old", ".dev/old.cu", ())
+    for bad, why in (("noname", "want NAME="), ("a b=x.cu", "want NAME="), ("e=:keys=1", "'keys=1'"),
+                     ("e=:K=one", "'K=one'")):
+        with pytest.raises(ValueError, match=why):
+            st.parse_variant(bad)
+
+
 @pytest.mark.skipif(not NVRTC_OK, reason=f"NVRTC unavailable: {NVRTC_WHY}")
 def test_step_timeline_stamped_source_compiles():
     st = _bench_tool("step_timeline")
