@@ -1102,33 +1102,28 @@ __device__ __forceinline__ u32 reg_field(const u32 (&v)[W], int j) {
     return (v[j >> 1] >> (16 * (j & 1))) & 0xffffu;
 }
 
-// exclusive prefix over the ACT threads, in thread order, of packed counts v[w] for w < nw
-// (block-uniform; the others are not scanned) and the block's totals; one barrier (BAR).
-// Each field's prefix and total stay below 2^16. s_scan holds W * ACT / 32 words.
+// exclusive prefix over the ACT threads, in thread order, of packed counts v[w] and the block's
+// totals; one barrier (BAR). Each field's prefix and total stay below 2^16. s_scan holds
+// W * ACT / 32 words. Every word is scanned, dead groups' zeros too: the warp collectives
+// under a block-uniform branch on the live words came out wrong from ptxas's optimizer (right
+// at -O0) once the live length reached the body through a select (benchmarks/NOTES.md, runs 158-163)
 template <int ACT, int BAR, int W>
-__device__ __forceinline__ void reg_packed_scan(const u32 (&v)[W], int nw, u32 (&excl)[W], u32 (&total)[W],
+__device__ __forceinline__ void reg_packed_scan(const u32 (&v)[W], u32 (&excl)[W], u32 (&total)[W],
                                                 u32* s_scan) {
     constexpr int WARPS = ACT / 32;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     u32 incl[W];
 #pragma unroll
     for (int w = 0; w < W; ++w) {
-        incl[w] = 0u;
-        if (w < nw) {
-            incl[w] = warp_incl_scan(v[w], lane);
-            if (lane == 31) s_scan[w * WARPS + warp] = incl[w];
-        }
+        incl[w] = warp_incl_scan(v[w], lane);
+        if (lane == 31) s_scan[w * WARPS + warp] = incl[w];
     }
     block_bar<ACT, BAR>();
 #pragma unroll
     for (int w = 0; w < W; ++w) {
-        excl[w] = 0u;
-        total[w] = 0u;
-        if (w < nw) {
-            const u32 t = lane < WARPS ? s_scan[w * WARPS + lane] : 0u;
-            excl[w] = warp_sum(lane < warp ? t : 0u) + incl[w] - v[w];  // warps before
-            total[w] = warp_sum(t);
-        }
+        const u32 t = lane < WARPS ? s_scan[w * WARPS + lane] : 0u;
+        excl[w] = warp_sum(lane < warp ? t : 0u) + incl[w] - v[w];  // warps before
+        total[w] = warp_sum(t);
     }
 }
 
@@ -1184,7 +1179,6 @@ __device__ __forceinline__ void topk_reg_body(const float* __restrict__ x, int n
     __syncthreads();  // the clears (and the hand-over) before the first add
     if (R > 1 && tid >= ACT) return;
     const int jn = (len + 4 * ACT - 1) / (4 * ACT);  // the groups that hold live keys (block-uniform)
-    const int nw = (jn + 1) / 2;  // the packed words that hold them
     u32 key[4 * J];
 #pragma unroll
     for (int j = 0; j < J; ++j) {
@@ -1328,7 +1322,7 @@ __device__ __forceinline__ void topk_reg_body(const float* __restrict__ x, int n
         u32 eq = 0u;
         FOR_SLOTS(live, if (key[i] == kv) eq |= 1u << i;)
         reg_group_counts<W>(eq, v);
-        reg_packed_scan<ACT, BAR, W>(v, nw, excl, total, sc.scan);
+        reg_packed_scan<ACT, BAR, W>(v, excl, total, sc.scan);
         u32 want = need;  // this chunk's keys of kv to take
         if (multi) {  // after the lower ranks' (the exchange's odd words)
             const u32 here = (total[0] & 0xffffu) + (total[0] >> 16) + (total[1] & 0xffffu) + (total[1] >> 16);
@@ -1364,7 +1358,7 @@ __device__ __forceinline__ void topk_reg_body(const float* __restrict__ x, int n
     FOR_GROUP_SLOTS(if (key[i] > kv) gt |= 1u << i; if (key[i] == kv) eq |= 1u << i;)
     const u32 sel = (gt & live) | (eq & upto);
     reg_group_counts<W>(sel, v);
-    reg_packed_scan<ACT, BAR, W>(v, nw, excl, total, sc.scan);
+    reg_packed_scan<ACT, BAR, W>(v, excl, total, sc.scan);
     u32 run = 0u;
     if (multi) {  // this chunk's total into the higher ranks' (even) words; the last remote access
         const u32 here = (total[0] & 0xffffu) + (total[0] >> 16) + (total[1] & 0xffffu) + (total[1] >> 16);
