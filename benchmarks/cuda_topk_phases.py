@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import ctypes
 import json
 import multiprocessing
 import os
@@ -137,7 +136,7 @@ def cut_calls(mod, fn, plan, cluster: int, xs: list, lens, out, ncalls: int) -> 
 
     def call(x):
         return lambda: cuda_topk._launch(mod, fn, (cluster, rows, 1), plan.threads, plan.smem, x, width, lens,
-                                         None, out, K, width, True, (ctypes.c_int(plan.cap),))
+                                         None, out, K, width, True, cuda_topk.cluster_tail(plan.cap))
 
     return [call(xs[i % len(xs)]) for i in range(ncalls)]
 
@@ -190,7 +189,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=20,
                     help="replays of each cut's graph, every source and cut of a case in turn each "
                          "round (rotated), so no source is timed first; the median is reported")
-    ap.add_argument("--out", default=None, help="JSON path (default: $OUT/cuda_topk_phases.json if $OUT is set)")
+    ap.add_argument("--out", default=None,
+                    help="JSON path (default: $OUT/cuda_topk_phases.json if $OUT is set)")
     a = ap.parse_args()
     stops = tuple(int(s) for s in a.stops.split(","))
     seeds = [int(s) for s in a.seeds.split(",")]

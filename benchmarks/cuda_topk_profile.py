@@ -25,7 +25,7 @@ K = 2048
 
 
 def run_cases(cases: str, mean: float, std: float, defines: list[str], warmup: int) -> None:
-    import ctypes
+    import functools
     import types
 
     import torch
@@ -56,9 +56,8 @@ def run_cases(cases: str, mean: float, std: float, defines: list[str], warmup: i
         lens = torch.full((B,), L, dtype=torch.int32, device="cuda")
         out = torch.empty(B, K, dtype=torch.int32, device="cuda")
 
-        def launch():
-            cuda_topk._launch(fake, fn, (C, B, 1), plan.threads, plan.smem, x, W, lens, None, out, K, W, True,
-                              (ctypes.c_int(plan.cap),))
+        launch = functools.partial(cuda_topk._launch, fake, fn, (C, B, 1), plan.threads, plan.smem, x, W,
+                                   lens, None, out, K, W, True, cuda_topk.cluster_tail(plan.cap))
 
         for _ in range(warmup):
             launch()
@@ -118,7 +117,8 @@ def main() -> None:
     ap.add_argument("--std", type=float, default=19.0)
     ap.add_argument("--define", action="append", default=[], metavar="NAME=VALUE")
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--summarize", metavar="CSV", help="summarize ncu's --page source --csv --print-source cuda,sass output instead")
+    ap.add_argument("--summarize", metavar="CSV",
+                    help="summarize ncu's --page source --csv --print-source cuda,sass output instead")
     ap.add_argument("--top", type=int, default=40)
     a = ap.parse_args()
     if a.summarize:

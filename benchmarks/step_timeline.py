@@ -108,7 +108,8 @@ EDITS = (
     ('    asm volatile("griddepcontrol.wait;" ::: "memory");\n',
      '    asm volatile("griddepcontrol.wait;" ::: "memory");\n    vss_released();\n'),
     ("topk_cluster_row<C, T, (A) != 0>(", "vss_entry(); topk_cluster_row<C, T, (A) != 0>("),
-    ("sel_width, k, out, stride_o, nan_low, cap);", "sel_width, k, out, stride_o, nan_low, cap); vss_end();"),
+    # (a source from before the lens_early parameter too)
+    (re.compile(r"(sel_width, k, out, stride_o, nan_low, cap(?:, lens_early)?\);)"), r"\1 vss_end();"),
     ("#define FULL_MASK", PRELUDE + "#define FULL_MASK"),
 )
 
@@ -117,10 +118,14 @@ def stamped_source(text: str) -> str:
     """``text`` (a cuda_topk.cu) with the timeline's stamps in every cluster kernel; a source
     without one of the anchors is refused by name."""
     for anchor, replacement in EDITS:
-        if text.count(anchor) != 1:
-            raise ValueError(f"anchor not once in the source ({text.count(anchor)} times): "
-                             f"{anchor.strip()!r}")
-        text = text.replace(anchor, replacement)
+        pattern = anchor if isinstance(anchor, re.Pattern) else re.compile(re.escape(anchor))
+        found = len(pattern.findall(text))
+        if found != 1:
+            raise ValueError(f"anchor not once in the source ({found} times): {pattern.pattern.strip()!r}")
+        if isinstance(anchor, re.Pattern):
+            text = pattern.sub(replacement, text)
+        else:
+            text = text.replace(anchor, replacement)
     return text
 
 

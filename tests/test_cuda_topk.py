@@ -563,6 +563,9 @@ def test_step_timeline_stamps_every_cluster_kernel_once():
     macro = text[text.index("#define TOPK_CLUSTER_KERNEL"):]
     macro = macro[:macro.index("TOPK_CLUSTER_KERNEL(1, 1024, 1)")]
     assert macro.index("vss_entry();") < macro.index("topk_cluster_row<") < macro.index("vss_end();")
+    # a source from before the kernels' lens_early parameter (a --source variant) is stamped too
+    older = cuda_topk.source().replace("cap, lens_early);", "cap);")
+    assert "nan_low, cap); vss_end();" in st.stamped_source(older)
     with pytest.raises(ValueError, match="anchor not once"):
         st.stamped_source(cuda_topk.source().replace("griddepcontrol.wait;", "griddepcontrol.wait ;"))
 

@@ -378,3 +378,89 @@ def test_no_host_sync(route):
     _launch(x, lens, out, route=route)  # compile and load outside the check
     check = check_step(lambda: _launch(x, lens, out, route=route), where="cuda top-k")
     assert check.ran and not check.records
+
+
+# a kernel that lets the stream's next (dependent) launch start at once, then writes the row
+# lengths `wait_ns` later: a previous kernel that writes them
+_LATE_LENS = r"""
+extern "C" __global__ void late_lens(int* lens, int rows, int value, unsigned long long wait_ns) {
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    unsigned long long t0, t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    do {
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    } while (t - t0 < wait_ns);
+    for (int i = threadIdx.x; i < rows; i += blockDim.x) lens[i] = value;
+}
+"""
+
+
+def _late_lens_writer():
+    """``write(lens, value)``: launches ``_LATE_LENS`` (one CTA) on the current stream."""
+    import ctypes
+
+    from vllm_sparse_sync.kernels import cuda_topk
+
+    mod = cuda_topk.module_for(DEV)
+    cubin, _ = cuda_topk.compile_source(mod.arch, text=_LATE_LENS, name="late_lens.cu")
+    module = cuda_topk._check(mod.driver.cuModuleLoadData(cubin), "cuModuleLoadData")
+    fn = cuda_topk._check(mod.driver.cuModuleGetFunction(module, b"late_lens"), "cuModuleGetFunction")
+
+    def write(lens, value, wait_ns=200_000):
+        values = (ctypes.c_void_p(lens.data_ptr()), ctypes.c_int(lens.numel()), ctypes.c_int(value),
+                  ctypes.c_ulonglong(wait_ns))
+        cuda_topk.launch_values(mod, fn, (1, 1, 1), 32, 0, values, lens.device)
+
+    return write
+
+
+@pytest.mark.parametrize("cluster", [1, 8])
+def test_early_lengths_are_read_before_the_wait_and_only_where_asked(cluster):
+    """``lens_early`` reads the lengths before the dependency wait: after a kernel that writes them
+    late it sees the old ones (why only a step's top-k, after its scorer, asks for it); without
+    it, and through ``topk_indices``, the top-k sees the new ones."""
+    from vllm_sparse_sync.kernels import triton_ops
+    from vllm_sparse_sync.kernels.cuda_topk import launch_cuda_topk_cluster
+
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("the cluster route needs sm_90+")
+    write = _late_lens_writer()
+    rows, width, old, new = 2, 65536, 65536, 3000
+    x = torch.randn(rows, width, device=DEV, generator=torch.Generator(device=DEV).manual_seed(3))
+    want = {n: ref.topk_indices(x, torch.full((rows,), n, dtype=torch.int32, device=DEV), K)
+            for n in (old, new)}
+    for early in (True, False):
+        lens = torch.full((rows,), old, dtype=torch.int32, device=DEV)
+        out = torch.empty(rows, K, dtype=torch.int32, device=DEV)
+        write(lens, new)
+        launch_cuda_topk_cluster(x, x.stride(0), lens, None, out, K, width, cluster=cluster, lens_early=early)
+        torch.cuda.synchronize()
+        assert torch.equal(_sets(out), _sets(want[old if early else new])), early
+    lens = torch.full((rows,), old, dtype=torch.int32, device=DEV)
+    write(lens, new)
+    got = triton_ops.topk_indices(x, lens, K)
+    assert torch.equal(_sets(got), _sets(want[new]))
+
+
+def test_the_step_reads_lengths_written_just_before_it():
+    """The step's top-k reads the lengths early (``topk.cuda_lens_early``), after its scorer: a
+    kernel that writes them just before the step is still seen, as the scorer starts after it."""
+    from vllm_sparse_sync.kernels import triton_ops
+    from vllm_sparse_sync.kernels.workspace import IndexerTopkWorkspace
+
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("the cluster route needs sm_90+")
+    write = _late_lens_writer()
+    lens = [40000, 30000, 5000, 64 * 300]
+    case = make_case(lens, heads=64, device=DEV, seed=21)
+    width = case.block_table.shape[1] * 64
+    ws = IndexerTopkWorkspace(len(lens), K, width, DEV)
+    route = ws.route(len(lens), width, 64)
+    assert route.topk_cluster and ws.config.topk.cuda_lens_early
+    new = 2100
+    want = triton_ops.indexer_topk(*case.args[:4], torch.full_like(case.row_lens, new), K, workspace=ws)
+    write(case.row_lens, new)
+    got = triton_ops.indexer_topk(*case.args, K, workspace=ws)
+    torch.cuda.synchronize()
+    assert case.row_lens.tolist() == [new] * len(lens)
+    assert torch.equal(got, want)

@@ -170,6 +170,8 @@ def test_cuda_radix_takes_the_cluster_route_on_sm90():
     assert plan_route(4, 4096, 64, hopper, off, score=False).kind == RADIX
     with pytest.raises(ValueError, match="cuda_cluster"):
         TopkConfig(cuda_cluster=1)
+    with pytest.raises(ValueError, match="cuda_lens_early"):
+        TopkConfig(cuda_lens_early=1)
 
 
 def test_cuda_radix_config_checks():

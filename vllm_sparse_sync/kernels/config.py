@@ -149,6 +149,9 @@ class TopkConfig:
     cuda_cap: int = 8192
     """"cuda_radix": keys of the threshold bin kept in shared memory (4 bytes each); a fuller
     bin re-reads the row (exact either way)."""
+    cuda_lens_early: bool = True
+    """"cuda_radix" cluster route in a step: the top-k reads the rows' live lengths before it
+    waits for the scorer (which does not write them), their round trip beside the scorer's end."""
 
     def __post_init__(self) -> None:
         if self.algo not in TOPK_ALGOS:
@@ -160,8 +163,9 @@ class TopkConfig:
         if (self.cuda_threads, self.cuda_vec) not in ((1024, 4), (1024, 2), (512, 4), (512, 8)):
             raise ValueError("topk.cuda_threads/cuda_vec: one of (1024, 4), (1024, 2), (512, 4), (512, 8), "
                              f"got {(self.cuda_threads, self.cuda_vec)!r}")
-        if not isinstance(self.cuda_cluster, bool):
-            raise ValueError(f"topk.cuda_cluster: True or False, got {self.cuda_cluster!r}")
+        for name in ("cuda_cluster", "cuda_lens_early"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"topk.{name}: True or False, got {getattr(self, name)!r}")
         if not _is_int(self.cuda_min_rows) or self.cuda_min_rows < 0:
             raise ValueError(f"topk.cuda_min_rows: an int >= 0 (0: never), got {self.cuda_min_rows!r}")
         if not _is_int(self.cuda_cap) or not 0 <= self.cuda_cap <= 53248:

@@ -1443,7 +1443,7 @@ __device__ __forceinline__ void topk_cluster_row(const float* __restrict__ logit
                                                  const void* lens, int lens64, const void* active,
                                                  int active64, int sel_width, int k,
                                                  int* __restrict__ out, i64 stride_o, int nan_low,
-                                                 int cap) {
+                                                 int cap, int lens_early) {
     extern __shared__ __align__(16) u32 smem[];
     const int row = blockIdx.y;
     const u32 rank = (C == 1) ? 0u : cl_rank();
@@ -1458,7 +1458,11 @@ __device__ __forceinline__ void topk_cluster_row(const float* __restrict__ logit
     constexpr int quads = words / 4;
     constexpr bool clear_late = C == 1 && THREADS == 512;
     if (!clear_late) clear_quads<quads, THREADS>(smem, tid);
-    grid_dependency_wait();  // every global read and write comes after the previous kernel's
+    // lens_early: the live length is read before the wait, its round trip beside the previous
+    // kernel's end (the host passes it where no kernel since the previous one began wrote the
+    // lengths: a step's scorer). Every other global read and write comes after that kernel's
+    const int n_early = lens_early ? live_length(lens, lens64, active, active64, row, sel_width) : 0;
+    grid_dependency_wait();
 
     __shared__ BodyScratch sc;
     FirstKeys first;
@@ -1471,7 +1475,7 @@ __device__ __forceinline__ void topk_cluster_row(const float* __restrict__ logit
             first.q[u] = p < spec ? chunk_bits4<ALIGNED>(x, p, spec) : make_uint4(0u, 0u, 0u, 0u);
         }
     }
-    const int n = live_length(lens, lens64, active, active64, row, sel_width);
+    const int n = lens_early ? n_early : live_length(lens, lens64, active, active64, row, sel_width);
     if (clear_late) clear_quads<quads, THREADS>(smem, tid);  // (the body's first barrier follows)
     if (n <= k) {  // cluster-uniform: no CTA reaches a cluster barrier
         for (int i = (int)rank * THREADS + tid; i < k; i += C * THREADS) o[i] = i < n ? i : -1;
@@ -1524,9 +1528,9 @@ __device__ __forceinline__ void topk_cluster_row(const float* __restrict__ logit
                                         const void* lens, int lens64, const void* active,          \
                                         int active64, int sel_width, int k,                        \
                                         int* __restrict__ out, i64 stride_o, int nan_low,          \
-                                        int cap) {                                                 \
+                                        int cap, int lens_early) {                                 \
         topk_cluster_row<C, T, (A) != 0>(logits, stride_r, lens, lens64, active, active64,         \
-                                         sel_width, k, out, stride_o, nan_low, cap);               \
+                                         sel_width, k, out, stride_o, nan_low, cap, lens_early);   \
     }
 
 TOPK_CLUSTER_KERNEL(1, 1024, 1)

@@ -498,14 +498,17 @@ def launch_cuda_topk_cluster(
     cap: int | None = None,
     threads: int | None = None,
     pdl: bool = True,
+    lens_early: bool = False,
 ) -> ClusterPlan:
     """A cluster of CTAs per row (``plan_cluster``'s, or ``cluster``): the output of
     ``launch_cuda_topk``, element for element. ``cap`` overrides the keys kept in shared memory
     (a multiple of 4, at most the plan's); ``threads`` forces the CTAs' threads (512 or 1024; the
     plan's otherwise). ``pdl``: a programmatic dependent launch, whose
     shared-memory setup overlaps the end of the stream's previous kernel (the scorer, in a
-    step); the kernel reads nothing global before that kernel has completed. Returns the plan
-    launched.
+    step); the kernel reads nothing global before that kernel has completed, except with
+    ``lens_early``: ``row_lens`` and ``active`` are read before, so only where the stream's
+    previous kernel does not write them and began after every write of them had completed (a
+    step's scorer, launched plainly after them). Returns the plan launched.
 
     ``x`` must hold at least ``sel_width`` columns: the kernel may read any of them before it
     knows a row's live length (a ``ValueError`` names the shape otherwise).
@@ -542,8 +545,14 @@ def launch_cuda_topk_cluster(
     smem = launch_smem(plan, rows, mod.sm_count, mod.smem_per_sm, mod.smem_optin, pdl)
     fn = mod.function(cluster_kernel_name(plan.cluster, aligned, plan.threads), smem)
     _launch(mod, fn, (plan.cluster, rows, 1), plan.threads, smem, x, stride_r, row_lens, active,
-            out, k, sel_width, nan_low, (ctypes.c_int(plan.cap),), pdl=pdl)
+            out, k, sel_width, nan_low, cluster_tail(plan.cap, lens_early), pdl=pdl)
     return plan
+
+
+def cluster_tail(cap: int, lens_early: bool = False) -> tuple:
+    """The cluster kernels' parameters after ``nan_low``: the keys kept in shared memory, and
+    whether the live lengths are read before the dependency wait (``launch_cuda_topk_cluster``)."""
+    return (ctypes.c_int(cap), ctypes.c_int(1 if lens_early else 0))
 
 
 def _launch(mod, fn, grid, threads, smem, x, stride_r, row_lens, active, out, k, sel_width, nan_low,

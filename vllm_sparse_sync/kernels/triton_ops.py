@@ -154,13 +154,16 @@ def _index_out(out: torch.Tensor | None, rows: int, k: int, device: torch.device
 
 
 def _launch_topk(route: Route, logits, row_lens, active_width, ws, out, k, width, *,
-                 nan_low: bool) -> None:
-    """The route's top-k launches; ``nan_low=False`` for scores from the scorer (NaN negative)."""
+                 nan_low: bool, after_scorer: bool = False) -> None:
+    """The route's top-k launches; ``nan_low=False`` for scores from the scorer (NaN negative).
+    ``after_scorer``: the stream's previous kernel is this step's scorer (which does not write
+    ``row_lens`` or ``active_width``)."""
     if route.kind == CUDA_RADIX and route.topk_cluster:
         from .cuda_topk import launch_cuda_topk_cluster
 
         launch_cuda_topk_cluster(logits, logits.stride(0), row_lens, active_width, out, k, width,
-                                 nan_low=nan_low, cluster=route.topk_cluster, cap=route.topk_cap)
+                                 nan_low=nan_low, cluster=route.topk_cluster, cap=route.topk_cap,
+                                 lens_early=after_scorer and ws.config.topk.cuda_lens_early)
         return
     if route.kind == CUDA_RADIX:
         from .cuda_topk import launch_cuda_topk
@@ -261,5 +264,5 @@ def indexer_topk(
         sel_width=width, fill_width=0, splits=route.score_splits, config=ws.config.scorer,
         kind=route.scorer,
     )
-    _launch_topk(route, logits, row_lens, active_width, ws, out, k, width, nan_low=False)
+    _launch_topk(route, logits, row_lens, active_width, ws, out, k, width, nan_low=False, after_scorer=True)
     return out
