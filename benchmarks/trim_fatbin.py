@@ -76,7 +76,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("src")
     ap.add_argument("dst")
-    ap.add_argument("--keep", default="90", help="comma-separated SM architectures to keep (90: sm_90/sm_90a)")
+    ap.add_argument("--keep", default="90",
+                    help="comma-separated SM architectures to keep (90: sm_90/sm_90a)")
     a = ap.parse_args()
     keep = {int(x) for x in a.keep.split(",")}
     data = open(a.src, "rb").read()
