@@ -441,3 +441,41 @@ def test_fused_step_gives_threshold_ties_to_the_lowest_positions(num_sms, rows_l
             for m, size in zip(groups, sizes):  # each group in one run, positions ascending
                 assert bool(m[at:at + size].all()) and bool((got[r][at:at + size].diff() > 0).all())
                 at += size
+
+
+def test_only_the_steps_top_k_reads_the_lengths_before_its_wait(monkeypatch):
+    """The step launches its top-k as the one after its scorer (which does not write the lengths);
+    a standalone top-k does not; the cluster launch asks for the early lengths only then, and not
+    with ``topk.cuda_lens_early`` off."""
+    from types import SimpleNamespace
+
+    from vllm_sparse_sync.kernels import cuda_topk
+    from vllm_sparse_sync.kernels.route import CUDA_RADIX, Route
+
+    calls, real = [], tk._launch_topk
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("after_scorer", False))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(tk, "_launch_topk", spy)
+    case = make_case([300, 90], heads=16, seed=4)
+    ws = IndexerTopkWorkspace(2, 16, 320, "cpu", config=ALGOS["radix"], num_sms=4)
+    got = tk.indexer_topk(*case.args, 16, width=320, workspace=ws)
+    logits = ref.paged_indexer_logits(*case.args, 320)
+    ws_alone = IndexerTopkWorkspace(2, 16, 0, "cpu", num_sms=4)
+    alone = tk.topk_indices(logits, case.row_lens, 16, workspace=ws_alone)
+    assert calls == [True, False]
+    assert topk_violations(got, logits, case.row_lens.long(), 16) == []
+    assert topk_violations(alone, logits, case.row_lens.long(), 16) == []
+
+    asked = []
+    monkeypatch.setattr(cuda_topk, "launch_cuda_topk_cluster",
+                        lambda *a, **kw: asked.append(kw["lens_early"]))
+    route = Route(CUDA_RADIX, 2, topk_cluster=8, topk_cap=4096)
+    off = KernelConfig(topk=TopkConfig(cuda_lens_early=False))
+    for config, after in [(KernelConfig(), True), (KernelConfig(), False), (off, True)]:
+        out = torch.empty(2, 16, dtype=torch.int32)
+        real(route, logits, case.row_lens, None, SimpleNamespace(config=config), out, 16, 320, nan_low=False,
+             after_scorer=after)
+    assert asked == [True, False, False]
