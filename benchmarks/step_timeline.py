@@ -14,7 +14,8 @@ first entry, the first and last release, the last end, the slowest CTA's cycles,
 cycles over nanoseconds (the SM clock). The step (``indexer.py``'s exact step, a serving runner's
 workspace) and its top-k alone (call i on input copy i's logits, as the step's scorer wrote them)
 are captured as CUDA graphs of ``ncalls`` calls, each variant's modules swapped in for its captures; every
-step graph's last call must select what the first variant's does (a difference is printed).
+step graph's last call must select what the first variant's does (a difference is printed, and the
+tool exits 1 once its JSON is written).
 Reported, us (means over launches, except the first of each replay):
 
 - ``plain``: the plain graphs' time a call, every variant and part interleaved (``--rounds``);
@@ -347,6 +348,21 @@ def main() -> None:
     if a.json:
         with open(a.json, "w") as fh:
             json.dump(rows, fh, indent=1)
+    failures = selection_failures(rows)
+    if failures:
+        print(f"error: selections differ from {names[0]}'s: {', '.join(failures)}", file=sys.stderr)
+        sys.exit(1)
+
+
+def selection_failures(rows: list[dict]) -> list[str]:
+    """``"BxL variant"`` of every shape and variant whose step selected otherwise than the first
+    variant's, in the rows' order, once each."""
+    seen = []
+    for r in rows:
+        name = f"{r['B']}x{r['L']} {r['variant']}"
+        if not r["same_selection"] and name not in seen:
+            seen.append(name)
+    return seen
 
 
 if __name__ == "__main__":

@@ -612,6 +612,20 @@ def test_step_timeline_variants_parse_and_a_malformed_one_is_refused_by_name():
             st.parse_variant(bad)
 
 
+def test_step_timeline_names_each_variant_whose_selection_differs_once():
+    """The rows a run writes decide its exit: every shape and variant whose step selected
+    otherwise (either part's row says so) is named once, in order; none, and the run passes."""
+    st = _bench_tool("step_timeline")
+
+    def row(B, variant, part, same):
+        return dict(B=B, L=4096, variant=variant, part=part, same_selection=same)
+
+    rows = [row(1, "late", "step", True), row(1, "late", "topk", True), row(1, "A", "step", False),
+            row(1, "A", "topk", False), row(8, "A", "step", True), row(8, "B", "step", False)]
+    assert st.selection_failures(rows) == ["1x4096 A", "8x4096 B"]
+    assert st.selection_failures([r for r in rows if r["same_selection"]]) == []
+
+
 @pytest.mark.skipif(not NVRTC_OK, reason=f"NVRTC unavailable: {NVRTC_WHY}")
 def test_step_timeline_stamped_source_compiles():
     st = _bench_tool("step_timeline")
