@@ -33,7 +33,8 @@ every peer stack as graphs of their own and replays them in turn (``il_*``): the
 slower, and only interleaved do both sides of ``il_ours_over_peer_stack`` and
 ``il_ours_fp8_over_peer_stack`` meet the same clock.
 After the table of times, a table of the speed targets (``TARGETS``: each shape's ratio, the
-misses marked, how many shapes met each).
+misses marked, how many shapes met each). The run exits 1 after its tables and JSON where our
+step or a top-k algorithm failed its check or a round raised (``our_failures``).
 """
 
 from __future__ import annotations
@@ -913,6 +914,26 @@ def main() -> None:
     print(targets_table(rows))
     if a.baseline:
         print(compare(rows, a.baseline))
+    failed = our_failures(rows)
+    if failed:
+        print(f"error: a check failed or a round raised: {'; '.join(failed)}", file=sys.stderr)
+        sys.exit(1)
+
+
+def our_failures(rows: list[dict]) -> list[str]:
+    """``"BxL: what"`` of every shape where our step selected wrongly (``step_check``), a top-k
+    algorithm selected otherwise than the route's (``topk_<algo>_check``: "differs"), or a round
+    raised (``error``). A peer's failed check only drops that peer from the ratios."""
+    out = []
+    for r in rows:
+        shape = f"{r['B']}x{r['L']}"
+        if "error" in r:
+            out.append(f"{shape}: {r['error']}")
+        if r.get("step_check", "ok") != "ok":
+            out.append(f"{shape}: step {r['step_check']}")
+        out += [f"{shape}: {k} differs" for k, v in r.items()
+                if k.startswith("topk_") and k.endswith("_check") and v == "differs"]
+    return out
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ workspace's logits) are captured as CUDA graphs of rotated inputs and replayed i
 the rounds is reported. Checked first: each step's selection is an exact top-k of the logits its
 own scorer wrote (rows 0-1), and each config's logits are compared with the baseline's (largest
 difference relative to the largest score). Prints a table (us, ratio to the baseline) and writes
-JSON.
+JSON; exits 1 after them if a selection failed its check.
 """
 
 from __future__ import annotations
@@ -149,6 +149,15 @@ def main() -> None:
     if a.json:
         with open(a.json, "w") as f:
             json.dump(dict(base=a.base, configs=a.config, serving=a.serving, shapes=rows), f, indent=1)
+    failed = failed_checks(rows)
+    if failed:
+        print(f"error: a step's selection failed its check: {'; '.join(failed)}", file=sys.stderr)
+        sys.exit(1)
+
+
+def failed_checks(rows: list[dict]) -> list[str]:
+    """``"BxL: why"`` of every shape whose check (each config's step, rows 0-1) failed."""
+    return [f"{r['B']}x{r['L']}: {r['check']}" for r in rows if r["check"] != "ok"]
 
 
 if __name__ == "__main__":

@@ -396,3 +396,23 @@ def test_step_ab_exits_2_on_its_own_options_before_looking_for_a_gpu(step_ab, mo
     monkeypatch.setattr(sys, "argv", ["step_ab.py", *two, "b:scorer.cuda_fp8_min_tokens=1"])
     with pytest.raises(AssertionError, match="require_cuda"):  # valid options: on to the GPU check
         step_ab.main()
+
+
+def test_step_ab_names_every_shape_whose_check_failed(step_ab):
+    rows = [dict(B=64, L=65536, check="ok"), dict(B=32, L=16384, check="early: row 0: duplicate positions"),
+            dict(B=1, L=4096, check="ok")]
+    assert step_ab.failed_checks(rows) == ["32x16384: early: row 0: duplicate positions"]
+    assert step_ab.failed_checks([rows[0], rows[2]]) == []
+
+
+def test_indexer_fails_on_our_checks_and_raised_rounds_not_on_a_peers(indexer):
+    ok = dict(B=1, L=4096, step_check="ok", topk_radix_check="ok", topk_cuda_radix_check="unavailable: x",
+              vllm_persistent_topk_check="differs", stack_sgl_check="row 0: differs")
+    assert indexer.our_failures([ok]) == []  # a peer's failed check drops the peer, not the run
+    bad = [dict(ok, B=8, L=65536, step_check="row 1: duplicate positions"),
+           dict(ok, B=64, L=16384, topk_sample_check="differs"),
+           dict(B=128, L=8192, error="RuntimeError: launch failed")]
+    assert indexer.our_failures(bad) == ["8x65536: step row 1: duplicate positions",
+                                         "64x16384: topk_sample_check differs",
+                                         "128x8192: RuntimeError: launch failed"]
+    assert indexer.our_failures([dict(B=1, L=4096)]) == []  # --peers-only: none of our checks ran
