@@ -381,7 +381,8 @@ def test_no_host_sync(route):
 
 
 # a kernel that lets the stream's next (dependent) launch start at once, then writes the row
-# lengths `wait_ns` later: a previous kernel that writes them
+# lengths `wait_ns` later: a previous kernel that writes them (20 ms by default: longer than any
+# kernel the suite's other xdist workers keep on the GPU, so the dependent has started by then)
 _LATE_LENS = r"""
 extern "C" __global__ void late_lens(int* lens, int rows, int value, unsigned long long wait_ns) {
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
@@ -406,7 +407,7 @@ def _late_lens_writer():
     module = cuda_topk._check(mod.driver.cuModuleLoadData(cubin), "cuModuleLoadData")
     fn = cuda_topk._check(mod.driver.cuModuleGetFunction(module, b"late_lens"), "cuModuleGetFunction")
 
-    def write(lens, value, wait_ns=200_000):
+    def write(lens, value, wait_ns=20_000_000):
         values = (ctypes.c_void_p(lens.data_ptr()), ctypes.c_int(lens.numel()), ctypes.c_int(value),
                   ctypes.c_ulonglong(wait_ns))
         cuda_topk.launch_values(mod, fn, (1, 1, 1), 32, 0, values, lens.device)
