@@ -98,24 +98,29 @@ def test_the_planner_takes_the_cuda_scorer_where_the_device_can():
     assert plan_route(64, 65536, 64, hopper).scorer == CUDA
     assert plan_route(8, 4096, 64, hopper).scorer == CUDA
     assert plan_route(8, 4096, 64, hopper).score_splits == 132 * DEFAULT_CONFIG.scorer.cuda_ctas_per_sm // 8
-    assert plan_route(7, 4096, 64, hopper).scorer == TRITON  # fewer rows than scorer.cuda_min_rows
-    assert plan_route(7, 4096, 64, hopper).score_splits == 132 * DEFAULT_CONFIG.scorer.ctas_per_sm // 7
+    assert plan_route(7, 2048, 64, hopper).scorer == TRITON  # fewer rows than scorer.cuda_min_rows
+    assert plan_route(7, 2048, 64, hopper).score_splits == 132 * DEFAULT_CONFIG.scorer.ctas_per_sm // 7
     every = DEFAULT_CONFIG.with_values(**{"scorer.cuda_min_rows": 0})
     assert plan_route(2, 1024, 64, hopper, every).scorer == CUDA
+    # the defaults: any row count from a bound of 4K (runs 90-94, 167)
+    assert DEFAULT_CONFIG.scorer.cuda_min_width == DEFAULT_CONFIG.scorer.cuda_one_row_min_width == 4096
+    for rows in (1, 2, 4, 7):
+        assert plan_route(rows, 4096, 64, hopper).scorer == CUDA
+        assert plan_route(rows, 4032, 64, hopper).scorer == TRITON
     # fewer rows take it from a bound of scorer.cuda_min_width up (0: never by width)
-    wide = DEFAULT_CONFIG.scorer.cuda_min_width
-    assert plan_route(2, wide, 64, hopper).scorer == CUDA
-    assert plan_route(7, 131072, 64, hopper).scorer == CUDA
-    assert plan_route(1, 131072, 64, hopper).score_splits == 132 * DEFAULT_CONFIG.scorer.cuda_ctas_per_sm
-    assert plan_route(2, wide - 1, 64, hopper).scorer == TRITON
+    cfg = DEFAULT_CONFIG.with_values(**{"scorer.cuda_min_width": 32768, "scorer.cuda_one_row_min_width": 4096})
+    wide = cfg.scorer.cuda_min_width
+    assert plan_route(2, wide, 64, hopper, cfg).scorer == CUDA
+    assert plan_route(7, 131072, 64, hopper, cfg).scorer == CUDA
+    assert plan_route(1, 131072, 64, hopper, cfg).score_splits == 132 * cfg.scorer.cuda_ctas_per_sm
+    assert plan_route(2, wide - 1, 64, hopper, cfg).scorer == TRITON
     # one row from scorer.cuda_one_row_min_width up (0: only from cuda_min_width)
-    one = DEFAULT_CONFIG.scorer.cuda_one_row_min_width
-    assert 0 < one < wide
-    assert plan_route(1, one, 64, hopper).scorer == CUDA
-    assert plan_route(1, one, 64, hopper).score_splits == 132 * DEFAULT_CONFIG.scorer.cuda_ctas_per_sm
-    assert plan_route(1, one - 1, 64, hopper).scorer == TRITON
-    assert plan_route(2, one, 64, hopper).scorer == TRITON
-    by_wide = DEFAULT_CONFIG.with_values(**{"scorer.cuda_one_row_min_width": 0})
+    one = cfg.scorer.cuda_one_row_min_width
+    assert plan_route(1, one, 64, hopper, cfg).scorer == CUDA
+    assert plan_route(1, one, 64, hopper, cfg).score_splits == 132 * cfg.scorer.cuda_ctas_per_sm
+    assert plan_route(1, one - 1, 64, hopper, cfg).scorer == TRITON
+    assert plan_route(2, one, 64, hopper, cfg).scorer == TRITON
+    by_wide = cfg.with_values(**{"scorer.cuda_one_row_min_width": 0})
     assert plan_route(1, one, 64, hopper, by_wide).scorer == TRITON
     assert plan_route(1, wide, 64, hopper, by_wide).scorer == CUDA
     by_rows = by_wide.with_values(**{"scorer.cuda_min_width": 0})
@@ -157,15 +162,18 @@ def test_the_e4m3_path_takes_the_cuda_scorer_only_where_asked():
     assert scorer_for(1, 64, DeviceInfo(num_sms=132), one, 65536) == TRITON
     assert scorer_for(1, 32, hopper, one, 65536) == TRITON
     assert scorer_for(1, 64, hopper, one.with_values(**{"scorer.cuda": False}), 65536) == TRITON
-    # the defaults: from 64K rows x width tokens (run 156), one row of 64K included
+    # the defaults: from 4K rows x width tokens (runs 156, 157, 165, 166), one row of 4K included
     e4m3 = DEFAULT_CONFIG.with_values(**{"scorer.precise": False})
     assert scorer_for(64, 64, hopper, e4m3, 65536) == CUDA
     assert scorer_for(128, 64, hopper, e4m3, 8192) == CUDA
     assert scorer_for(8, 64, hopper, e4m3, 65536) == CUDA
     assert scorer_for(1, 64, hopper, e4m3, 65536) == CUDA
     assert scorer_for(4, 64, hopper, e4m3, 16384) == CUDA
-    assert scorer_for(1, 64, hopper, e4m3, 32768) == TRITON
-    assert scorer_for(1, 64, hopper, e4m3, 4096) == TRITON
+    assert scorer_for(1, 64, hopper, e4m3, 32768) == CUDA
+    assert scorer_for(1, 64, hopper, e4m3, 4096) == CUDA
+    assert scorer_for(2, 64, hopper, e4m3, 2048) == CUDA
+    assert scorer_for(1, 64, hopper, e4m3, 4095) == TRITON
+    assert scorer_for(1, 64, hopper, e4m3, 2048) == TRITON
     for name in ("cuda_fp8_min_tokens", "cuda_fp8_one_row_min_width"):
         with pytest.raises(ValueError, match=name):
             DEFAULT_CONFIG.with_values(**{f"scorer.{name}": -1})

@@ -169,7 +169,11 @@ def test_the_step_takes_the_cuda_scorer_and_stays_exact():
     width = case.block_table.shape[1] * 64
     ws = IndexerTopkWorkspace(len(lens), 2048, width, DEV)
     assert ws.route(len(lens), width, 64).scorer == "cuda"
-    assert ws.route(len(lens) - 1, width, 64).scorer == "triton"
+    assert ws.route(len(lens) - 1, width, 64).scorer == "cuda"  # a bound of scorer.cuda_min_width
+    by_rows = DEFAULT_CONFIG.with_values(**{"scorer.cuda_min_width": 0, "scorer.cuda_one_row_min_width": 0})
+    rows_only = IndexerTopkWorkspace(len(lens), 2048, width, DEV, config=by_rows)
+    assert rows_only.route(len(lens), width, 64).scorer == "cuda"
+    assert rows_only.route(len(lens) - 1, width, 64).scorer == "triton"
     got = triton_ops.indexer_topk(*case.args, 2048, workspace=ws)
     want = ref.paged_indexer_logits(*case.args, width)
     finite = want[torch.isfinite(want)]

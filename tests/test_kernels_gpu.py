@@ -297,7 +297,7 @@ def test_capture_write_index_k_cache():
 
 
 @pytest.mark.parametrize(
-    "variant", [{"scorer.precise": False}, {"scorer.precise": False, "scorer.cuda_fp8_min_tokens": 1},
+    "variant", [{"scorer.precise": False}, {"scorer.precise": False, "scorer.cuda_fp8_min_tokens": 0},
                 {"scorer.cuda": False},
                 {"scorer.cuda": False, "scorer.precise": False},
                 {"scorer.cuda": False, "scorer.tile": 32}, {"scorer.cuda": False, "scorer.stages": 2},
@@ -321,11 +321,13 @@ def test_config_variants(variant):
     case = make_case(lens, heads=64, device=DEV, seed=13)
     width = case.block_table.shape[1] * 64
     ws = IndexerTopkWorkspace(len(lens), k, width, DEV, config=cfg)
-    if "scorer.cuda_fp8_min_tokens" in variant:  # the e4m3 path on the CUDA scorer, as asked, where it runs
+    if variant == {"scorer.precise": False}:  # the e4m3 path on the CUDA scorer by default, where it runs
         from vllm_sparse_sync.kernels.scorer import cuda_scorer_ok
 
         want = "cuda" if cuda_scorer_ok(torch.device(DEV)) else "triton"
         assert ws.route(len(lens), width, 64).scorer == want
+    if variant.get("scorer.cuda_fp8_min_tokens") == 0:  # never by size: Triton's e4m3 kernel
+        assert ws.route(len(lens), width, 64).scorer == "triton"
     got = _ops().indexer_topk(*case.args, k, workspace=ws)
     dense = _ops().paged_indexer_logits(*case.args, width, config=cfg)
     want = ref.paged_indexer_logits(*case.args, width)

@@ -52,21 +52,23 @@ class ScorerConfig:
     cuda_min_rows: int = 8
     """Calls of fewer rows take Triton's exact scorer unless their width bound reaches
     ``cuda_min_width`` (or, for one row, ``cuda_one_row_min_width``)."""
-    cuda_min_width: int = 32768
+    cuda_min_width: int = 4096
     """The width bound from which calls of any row count take the CUDA exact scorer (0: never by
-    width). Below it, 2-4 rows of 8K-16K measured slightly faster on Triton (benchmarks/NOTES.md,
-    run 90)."""
+    width). 2-4 rows of 4K-16K measured 1.4-6.2% faster there (benchmarks/NOTES.md, run 167; in
+    run 90, before the scorer's evict-first copies, Triton was slightly faster at 2-4 rows of
+    8K-16K)."""
     cuda_one_row_min_width: int = 4096
     """The width bound from which a one-row call takes the CUDA exact scorer (0: only from
     ``cuda_min_width``): one row of 4K-16K scores as fast or faster there (benchmarks/NOTES.md,
     runs 90, 93 and 94)."""
-    cuda_fp8_min_tokens: int = 65536
+    cuda_fp8_min_tokens: int = 4096
     """The e4m3 path (``precise`` False) takes the CUDA scorer for calls of at least this many
     rows x width-bound tokens (0: never by size; Triton's e4m3 kernel below it): since its page
-    copies leave the logits in L2 (evict-first), its step measured 0.5-4.4% faster at every shape
-    from one row of 64K to 128 rows of 8K (benchmarks/NOTES.md, run 156; before them it lost at
-    2-16 rows of 64K, runs 138-139). Below 64K tokens it measured 0.988-0.999 of Triton's (one
-    run, run 157), not yet taken."""
+    copies leave the logits in L2 (evict-first), its step measured 0.5-4.4% faster from one row of
+    64K to 128 rows of 8K (benchmarks/NOTES.md, run 156; before them it lost at 2-16 rows of 64K,
+    runs 138-139), and 0.985-1.001 of Triton's from one row of 4K to 4 rows of 8K (runs 157, 165
+    and 166). Calls of fewer tokens (a row of at most 2K, under any top-k of 2048) stay on Triton:
+    not measured."""
     cuda_fp8_one_row_min_width: int = 0
     """The e4m3 path takes the CUDA scorer for one-row calls of a width bound of at least this
     (0: only by ``cuda_fp8_min_tokens``)."""
