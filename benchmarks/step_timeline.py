@@ -2,7 +2,8 @@
 the top-k source and the CUDA scorer's build side by side in one process.
 
     python benchmarks/step_timeline.py [--shapes 1x65536,8x65536] [--source old.cu --source '']
-        [--variant evict=:KEYS_EVICT_FIRST=1] [--phases] [--replays 20] [--rounds 5] [--json F]
+        [--variant evict=:KEYS_EVICT_FIRST=1] [--config scorer.precise=false] [--phases]
+        [--replays 20] [--rounds 5] [--json F]
 
 A variant is a copy of cuda_topk.cu (``--source PATH``, ``''`` the library's) or ``--variant
 NAME=[TOPK_PATH][:MACRO=V,...]``: a copy of the top-k source and macros defined before the CUDA
@@ -12,10 +13,11 @@ timer at its entry, after its dependency wait (``griddepcontrol.wait``: the scor
 its end (after a barrier: the CTA's), and its SM clock from the wait to the end. Per launch: the
 first entry, the first and last release, the last end, the slowest CTA's cycles, and each CTA's
 cycles over nanoseconds (the SM clock). The step (``indexer.py``'s exact step, a serving runner's
-workspace) and its top-k alone (call i on input copy i's logits, as the step's scorer wrote them)
-are captured as CUDA graphs of ``ncalls`` calls, each variant's modules swapped in for its captures; every
-step graph's last call must select what the first variant's does (a difference is printed, and the
-tool exits 1 once its JSON is written).
+workspace; ``--config`` changes its config, e.g. the e4m3 dot) and its top-k alone (call i on
+input copy i's logits, as the step's scorer wrote them) are captured as CUDA graphs of ``ncalls``
+calls, each variant's modules swapped in for its captures; every step graph's last call must
+select what the first variant's does (a difference is printed, and the tool exits 1 once its JSON
+is written).
 Reported, us (means over launches, except the first of each replay):
 
 - ``plain``: the plain graphs' time a call, every variant and part interleaved (``--rounds``);
@@ -228,9 +230,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds of the plain graphs")
     ap.add_argument("--phases", action="store_true",
                     help="also cuda_topk_trace.py's phase stamps (the first CTA's cycles per phase)")
+    ap.add_argument("--config", default="",
+                    help="the step's config (as indexer.py --config), e.g. scorer.precise=false")
     ap.add_argument("--json", default="")
     a = ap.parse_args()
     shapes = shapes_arg(ap, a.shapes)
+    config = step_config(ap, a.config)
     if a.replays < 1 or a.rounds < 1:
         ap.error("--replays and --rounds: at least 1")
     try:
@@ -287,7 +292,7 @@ def main() -> None:
         if a.replays * ncalls > SLOTS:
             ap.error(f"--replays: {a.replays} x {ncalls} calls exceeds {SLOTS} recorded launches")
         inp = ix.Inputs(B, L, copies)
-        ws, _ = ix.step_workspaces(B, L, ix.DEFAULT_CONFIG)
+        ws, _ = ix.step_workspaces(B, L, config)
         out = torch.empty(B, ix.TOPK, dtype=torch.int32, device=ix.DEV)
         parts = ix.step_calls(inp, ws, out)
         route = ws.route(B, L, ix.PAGE)
@@ -328,7 +333,7 @@ def main() -> None:
                 stats = launch_stats(records_io(mod), a.replays * ncalls, ncalls)
                 if a.phases:
                     stats["phase_cycles"] = tr.phase_cycles(tr.read_trace(mod.driver, mod.module))
-                row = dict(B=B, L=L, variant=name, part=part, cluster=route.topk_cluster,
+                row = dict(B=B, L=L, variant=name, part=part, cluster=route.topk_cluster, config=a.config,
                            same_selection=f"{name} stamped" not in differs and f"{name} plain" not in differs,
                            plain_us=statistics.median(plain[(name, part)]),
                            stamped_us=statistics.median(times), **stats)
@@ -352,6 +357,17 @@ def main() -> None:
     if failures:
         print(f"error: selections differ from {names[0]}'s: {', '.join(failures)}", file=sys.stderr)
         sys.exit(1)
+
+
+def step_config(ap: argparse.ArgumentParser, text: str):
+    """``--config``'s assignments as the step's ``KernelConfig`` (``indexer.parse_config``); bad text
+    ends the script as argparse does (exit 2), before any GPU work."""
+    import indexer as ix
+
+    try:
+        return ix.parse_config(text)
+    except (ValueError, TypeError, KeyError) as exc:
+        ap.error(f"--config: {exc}")
 
 
 def selection_failures(rows: list[dict]) -> list[str]:

@@ -612,6 +612,26 @@ def test_step_timeline_variants_parse_and_a_malformed_one_is_refused_by_name():
             st.parse_variant(bad)
 
 
+def test_step_timeline_times_the_configured_step_and_refuses_a_bad_config_before_the_gpu(monkeypatch, capsys):
+    """``--config`` (as indexer.py's) is the step's config, the defaults without it; a bad key or
+    value ends the run with argparse's exit 2 naming the option, before anything needs a GPU."""
+    import argparse
+    import sys
+
+    from vllm_sparse_sync.kernels.config import DEFAULT_CONFIG
+
+    tl = _bench_tool("step_timeline")
+    ap = argparse.ArgumentParser()
+    assert tl.step_config(ap, "scorer.precise=false").scorer.precise is False
+    assert tl.step_config(ap, "") == DEFAULT_CONFIG
+    for bad, why in (("scorer.precise=maybe", "must be a bool"), ("scorer.nope=1", "scorer.nope")):
+        monkeypatch.setattr(sys, "argv", ["step_timeline.py", "--shapes", "1x4096", "--config", bad])
+        with pytest.raises(SystemExit) as exc:
+            tl.main()
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and "--config" in err and why in err
+
+
 def test_step_timeline_names_each_variant_whose_selection_differs_once():
     """The rows a run writes decide its exit: every shape and variant whose step selected
     otherwise (either part's row says so) is named once, in order; none, and the run passes."""
