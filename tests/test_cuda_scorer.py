@@ -108,7 +108,8 @@ def test_the_planner_takes_the_cuda_scorer_where_the_device_can():
         assert plan_route(rows, 4096, 64, hopper).scorer == CUDA
         assert plan_route(rows, 4032, 64, hopper).scorer == TRITON
     # fewer rows take it from a bound of scorer.cuda_min_width up (0: never by width)
-    cfg = DEFAULT_CONFIG.with_values(**{"scorer.cuda_min_width": 32768, "scorer.cuda_one_row_min_width": 4096})
+    cfg = DEFAULT_CONFIG.with_values(**{"scorer.cuda_min_width": 32768,
+                                        "scorer.cuda_one_row_min_width": 4096})
     wide = cfg.scorer.cuda_min_width
     assert plan_route(2, wide, 64, hopper, cfg).scorer == CUDA
     assert plan_route(7, 131072, 64, hopper, cfg).scorer == CUDA

@@ -113,7 +113,8 @@ def scorer_for(rows: int, page: int, device: DeviceInfo, config: KernelConfig = 
     can run it, ``scorer.cuda`` asks for it and pages are 64 tokens (the kernel's tile); else
     ``TRITON``. The e4m3 path (``scorer.precise`` off) takes ``CUDA`` only from
     ``scorer.cuda_fp8_min_tokens`` rows x width tokens or one row of a bound of
-    ``scorer.cuda_fp8_one_row_min_width`` up (benchmarks/NOTES.md, runs 63-65, 138-139, 156-157 and 165-166)."""
+    ``scorer.cuda_fp8_one_row_min_width`` up (benchmarks/NOTES.md, runs 63-65, 138-139, 156-157
+    and 165-166)."""
     sc = config.scorer
     if sc.precise:
         big = (rows >= sc.cuda_min_rows or (0 < sc.cuda_min_width <= width)
