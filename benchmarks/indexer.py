@@ -296,36 +296,104 @@ FI_ALGOS = {"auto": 0, "filtered": 1, "multi_cta": 2}
 """FlashInfer's native top-k paths (``benchmarks/flashinfer_topk_peer.cu``)"""
 
 
-def load_flashinfer_topk():
-    """FlashInfer's native ragged top-k through our C wrapper, compiled with the host's nvcc on
-    first use (cached under the temp dir), when the checkout holds ``.peers_fi/``
-    (``benchmarks/peers_flashinfer.sh``); None without it."""
-    import ctypes
+FI_WRAPPER = os.path.join(ROOT, "benchmarks", "flashinfer_topk_peer.cu")
+
+
+def flashinfer_stamp(src: str) -> str:
+    """The sha256 of what a FlashInfer peer library is built from: our wrapper and the headers'
+    archive in ``src`` (``.peers_fi/``)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for path in (FI_WRAPPER, os.path.join(src, "include.tar.xz")):
+        with open(path, "rb") as f:
+            h.update(f.read())
+    return h.hexdigest()
+
+
+def flashinfer_prebuilt(src: str, arch: str) -> str | None:
+    """``src``'s prebuilt library for ``arch`` (``libfi_topk.sm_<arch>.so``), or None when it is
+    missing or its ``.sha256`` stamp is not today's wrapper and headers (then it is stale)."""
+    so = os.path.join(src, f"libfi_topk.sm_{arch}.so")
+    try:
+        with open(so + ".sha256") as f:
+            stamp = f.read().strip()
+    except OSError:
+        return None
+    return so if os.path.exists(so) and stamp == flashinfer_stamp(src) else None
+
+
+def build_flashinfer_topk(src: str, arch: str, so: str, nvcc: str) -> None:
+    """Compile our wrapper over ``src``'s FlashInfer headers for ``sm_<arch>`` into ``so`` (the
+    CUDA runtime linked statically, so it loads wherever the driver is new enough) and stamp it."""
     import shutil
     import subprocess
+
+    with tempfile.TemporaryDirectory() as tmp:
+        with tarfile.open(os.path.join(src, "include.tar.xz")) as tf:
+            tf.extractall(tmp)
+        cmd = [nvcc, "-std=c++17", "-O3", "-DNDEBUG", "--expt-relaxed-constexpr", "-use_fast_math",
+               "-DFLASHINFER_ENABLE_F16", "-DFLASHINFER_ENABLE_BF16", "-DFLASHINFER_ENABLE_FP8_E4M3",
+               "-DFLASHINFER_ENABLE_FP8_E5M2", f"-gencode=arch=compute_{arch},code=sm_{arch}", "-shared",
+               "-cudart", "static", "-Xcompiler", "-fPIC", "-I", tmp, FI_WRAPPER, "-o", so + ".tmp"]
+        print(f"compiling FlashInfer's top-k for sm_{arch} with {nvcc} (a minute or two) ...", flush=True)
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"nvcc failed ({done.returncode}): {done.stderr[-2000:]}")
+        shutil.move(so + ".tmp", so)
+    with open(so + ".sha256", "w") as f:
+        f.write(flashinfer_stamp(src) + "\n")
+
+
+def build_flashinfer_cli(arch: str, nvcc: str) -> int:
+    """``--build-flashinfer ARCH``: the prebuilt library in ``.peers_fi/``; 0 when built, 2 (with
+    the reason on stderr) when the arch, the headers or nvcc are missing or nvcc fails."""
+    import re
+    import shutil
+
+    src = os.path.join(ROOT, ".peers_fi")
+    nvcc = nvcc or shutil.which("nvcc") or ""
+    why = (f"--build-flashinfer: {arch!r} is not an arch like 90a or 100a"
+           if not re.fullmatch(r"[0-9]{2,3}[af]?", arch) else
+           "--build-flashinfer: no .peers_fi/ (run benchmarks/peers_flashinfer.sh first)"
+           if not os.path.isfile(os.path.join(src, "include.tar.xz")) else
+           "--build-flashinfer: no nvcc (set NVCC or put nvcc on PATH)" if not nvcc else "")
+    if not why:
+        so = os.path.join(src, f"libfi_topk.sm_{arch}.so")
+        try:
+            build_flashinfer_topk(src, arch, so, nvcc)
+        except (RuntimeError, OSError) as exc:
+            why = f"--build-flashinfer: {exc}"
+        else:
+            print(f"built {os.path.relpath(so, ROOT)} ({os.path.getsize(so) >> 10} KiB)")
+            return 0
+    print(f"error: {why}", file=sys.stderr)
+    return 2
+
+
+def load_flashinfer_topk():
+    """FlashInfer's native ragged top-k through our C wrapper, when the checkout holds
+    ``.peers_fi/`` (``benchmarks/peers_flashinfer.sh``): its prebuilt library for this device when
+    the stamp matches, else compiled here with the host's nvcc (cached under the temp dir); None
+    without ``.peers_fi/``."""
+    import ctypes
+    import shutil
 
     src = os.path.join(ROOT, ".peers_fi")
     if not os.path.isdir(src):
         return None
-    build = os.path.join(tempfile.gettempdir(), "peers_fi")
-    so = os.path.join(build, "libfi_topk.so")
-    if not os.path.exists(so):
+    major, minor = torch.cuda.get_device_capability()
+    arch = f"{major}{minor}{'a' if major >= 9 else ''}"
+    so = flashinfer_prebuilt(src, arch)
+    if so is None:
+        build = os.path.join(tempfile.gettempdir(), "peers_fi")
         os.makedirs(build, exist_ok=True)
-        with tarfile.open(os.path.join(src, "include.tar.xz")) as tf:
-            tf.extractall(os.path.join(build, "include"))
-        nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
-        major, minor = torch.cuda.get_device_capability()
-        arch = f"{major}{minor}{'a' if major >= 9 else ''}"
-        cmd = [nvcc, "-std=c++17", "-O3", "-DNDEBUG", "--expt-relaxed-constexpr", "-use_fast_math",
-               "-DFLASHINFER_ENABLE_F16", "-DFLASHINFER_ENABLE_BF16", "-DFLASHINFER_ENABLE_FP8_E4M3",
-               "-DFLASHINFER_ENABLE_FP8_E5M2", f"-gencode=arch=compute_{arch},code=sm_{arch}", "-shared",
-               "-Xcompiler", "-fPIC", "-I", os.path.join(build, "include"),
-               os.path.join(ROOT, "benchmarks", "flashinfer_topk_peer.cu"), "-o", so + ".tmp"]
-        print("compiling FlashInfer's top-k with nvcc (a minute or two) ...", flush=True)
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise RuntimeError(f"nvcc failed ({done.returncode}): {done.stderr[-2000:]}")
-        os.replace(so + ".tmp", so)
+        so = os.path.join(build, f"libfi_topk.sm_{arch}.so")
+        if flashinfer_prebuilt(build, arch) is None:
+            shutil.copy(os.path.join(src, "include.tar.xz"), build)
+            build_flashinfer_topk(build, arch, so, shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc")
+    else:
+        print(f"FlashInfer's top-k: prebuilt {os.path.relpath(so, ROOT)}", flush=True)
     lib = ctypes.CDLL(so)
     p, u = ctypes.c_void_p, ctypes.c_uint
     lib.fi_topk_ragged.argtypes = [p, p, p, p, u, u, u, p, ctypes.c_int, ctypes.c_int, p]
@@ -814,7 +882,12 @@ def main() -> None:
     ap.add_argument("--spread", nargs="*", help="runs of one build: each shape's ratios across them")
     ap.add_argument("--rounds", type=int, default=1, help="ours and each peer timed this many times a shape")
     ap.add_argument("--baseline", default="", help="a committed run to compare each shape's step time with")
+    ap.add_argument("--build-flashinfer", metavar="ARCH", default="",
+                    help="build FlashInfer's top-k for sm_ARCH (e.g. 90a) into .peers_fi/ with this host's "
+                         "nvcc ($NVCC or on PATH), no GPU needed, then exit")
     a = ap.parse_args()
+    if a.build_flashinfer:
+        sys.exit(build_flashinfer_cli(a.build_flashinfer, os.environ.get("NVCC", "")))
     if a.rounds < 1:
         ap.error(f"--rounds: must be >= 1, got {a.rounds}")
     if a.spread:

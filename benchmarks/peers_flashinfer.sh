@@ -2,8 +2,11 @@
 # Fetch FlashInfer's native top-k (include/flashinfer/topk.cuh, the four headers it includes, and
 # math.cuh, which it uses without including) from the flashinfer-python wheel into .peers_fi/
 # (git-ignored), beside our extern "C" wrapper (benchmarks/flashinfer_topk_peer.cu).
-# benchmarks/indexer.py compiles the wrapper with the GPU host's nvcc on first use and times
-# FlashInfer's ragged top-k (offsets 0: plain indices) beside ours. The wheel itself (about 100 MB,
+# Where this host has nvcc (NVCC, or on PATH), it also builds the wrapper for sm_$FLASHINFER_ARCH
+# (default 90a) into .peers_fi/libfi_topk.sm_90a.so (about 3 MB, the CUDA runtime linked
+# statically, stamped with the sources' sha256), so the GPU host needs no compile; else
+# benchmarks/indexer.py compiles it there on first use (a minute or two). It times FlashInfer's
+# ragged top-k (offsets 0: plain indices) beside ours. The wheel itself (about 100 MB,
 # with a JIT chain of tvm-ffi and cutlass-dsl) does not fit a device transfer; these headers do
 # (about 40 KB compressed). FlashInfer's CUB backend (its bundled CCCL) is not built: the timed
 # paths are its filtered and multi-CTA radix kernels, chosen by its own dispatch heuristic.
@@ -24,4 +27,9 @@ for h in topk.cuh topk_common.cuh utils.cuh vec_dtypes.cuh exception.h math.cuh;
 done
 tar -C "$tmp/x/flashinfer/data/include" -cJf .peers_fi/include.tar.xz flashinfer
 echo "flashinfer-python==$version" > .peers_fi/VERSION
+if [ -n "${NVCC:-}" ] || command -v nvcc > /dev/null; then
+  python3 benchmarks/indexer.py --build-flashinfer "${FLASHINFER_ARCH:-90a}"
+else
+  echo "no nvcc here: benchmarks/indexer.py will compile FlashInfer's top-k on the GPU host"
+fi
 ls -la .peers_fi

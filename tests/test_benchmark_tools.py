@@ -12,6 +12,7 @@ import importlib.util
 import json
 import pathlib
 import sys
+import tarfile
 
 import pytest
 
@@ -416,3 +417,41 @@ def test_indexer_fails_on_our_checks_and_raised_rounds_not_on_a_peers(indexer):
                                          "64x16384: topk_sample_check differs",
                                          "128x8192: RuntimeError: launch failed"]
     assert indexer.our_failures([dict(B=1, L=4096)]) == []  # --peers-only: none of our checks ran
+
+
+def test_a_prebuilt_flashinfer_peer_loads_only_with_todays_stamp(indexer, tmp_path, monkeypatch):
+    src = tmp_path / ".peers_fi"
+    src.mkdir()
+    (src / "include.tar.xz").write_bytes(b"headers v1")
+    so = src / "libfi_topk.sm_90a.so"
+    assert indexer.flashinfer_prebuilt(str(src), "90a") is None  # nothing built
+    so.write_bytes(b"\x7fELF")
+    assert indexer.flashinfer_prebuilt(str(src), "90a") is None  # built, never stamped
+    (src / "libfi_topk.sm_90a.so.sha256").write_text(indexer.flashinfer_stamp(str(src)) + "\n")
+    assert indexer.flashinfer_prebuilt(str(src), "90a") == str(so)
+    assert indexer.flashinfer_prebuilt(str(src), "100a") is None  # another device's arch
+    (src / "include.tar.xz").write_bytes(b"headers v2")  # new headers: the library is stale
+    assert indexer.flashinfer_prebuilt(str(src), "90a") is None
+    (src / "include.tar.xz").write_bytes(b"headers v1")
+    wrapper = tmp_path / "peer.cu"
+    wrapper.write_text("// v2")
+    monkeypatch.setattr(indexer, "FI_WRAPPER", str(wrapper))  # a changed wrapper: stale too
+    assert indexer.flashinfer_prebuilt(str(src), "90a") is None
+
+
+def test_build_flashinfer_exits_2_naming_what_is_missing(indexer, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(indexer, "ROOT", str(tmp_path))
+    assert indexer.build_flashinfer_cli("9x", "nvcc") == 2
+    assert "'9x' is not an arch" in capsys.readouterr().err
+    assert indexer.build_flashinfer_cli("90a", "nvcc") == 2
+    assert "no .peers_fi/" in capsys.readouterr().err
+    (tmp_path / ".peers_fi").mkdir()
+    with tarfile.open(tmp_path / ".peers_fi" / "include.tar.xz", "w:xz"):
+        pass
+    monkeypatch.setattr(indexer, "FI_WRAPPER", str(tmp_path / "peer.cu"))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert indexer.build_flashinfer_cli("90a", "") == 2
+    assert "no nvcc" in capsys.readouterr().err
+    assert indexer.build_flashinfer_cli("90a", str(tmp_path / "no-nvcc")) == 2
+    assert "no-nvcc" in capsys.readouterr().err
+    assert not list((tmp_path / ".peers_fi").glob("*.so*"))  # nothing half-built left behind
