@@ -386,6 +386,10 @@ def load_flashinfer_topk():
     arch = f"{major}{minor}{'a' if major >= 9 else ''}"
     so = flashinfer_prebuilt(src, arch)
     if so is None:
+        stale = os.path.join(src, f"libfi_topk.sm_{arch}.so")
+        if os.path.exists(stale):
+            print(f"FlashInfer's top-k: {os.path.relpath(stale, ROOT)} is stale or unstamped (not built from "
+                  "today's wrapper and headers): compiling here", flush=True)
         build = os.path.join(tempfile.gettempdir(), "peers_fi")
         os.makedirs(build, exist_ok=True)
         so = os.path.join(build, f"libfi_topk.sm_{arch}.so")

@@ -3,7 +3,7 @@
 # math.cuh, which it uses without including) from the flashinfer-python wheel into .peers_fi/
 # (git-ignored), beside our extern "C" wrapper (benchmarks/flashinfer_topk_peer.cu).
 # Where this host has nvcc (NVCC, or on PATH), it also builds the wrapper for sm_$FLASHINFER_ARCH
-# (default 90a) into .peers_fi/libfi_topk.sm_90a.so (about 3 MB, the CUDA runtime linked
+# (default 90a) into .peers_fi/libfi_topk.sm_<arch>.so (about 3 MB, the CUDA runtime linked
 # statically, stamped with the sources' sha256), so the GPU host needs no compile; else
 # benchmarks/indexer.py compiles it there on first use (a minute or two). It times FlashInfer's
 # ragged top-k (offsets 0: plain indices) beside ours. The wheel itself (about 100 MB,
@@ -28,7 +28,8 @@ done
 tar -C "$tmp/x/flashinfer/data/include" -cJf .peers_fi/include.tar.xz flashinfer
 echo "flashinfer-python==$version" > .peers_fi/VERSION
 if [ -n "${NVCC:-}" ] || command -v nvcc > /dev/null; then
-  python3 benchmarks/indexer.py --build-flashinfer "${FLASHINFER_ARCH:-90a}"
+  python3 benchmarks/indexer.py --build-flashinfer "${FLASHINFER_ARCH:-90a}" \
+    || echo "warning: no prebuilt library: benchmarks/indexer.py will compile FlashInfer's top-k on the GPU host" >&2
 else
   echo "no nvcc here: benchmarks/indexer.py will compile FlashInfer's top-k on the GPU host"
 fi
