@@ -12,7 +12,8 @@ the whole kernel only (one compile). ``--source A.cu --source ''`` times copies 
 the same inputs: every source's and cut's graph of a case is replayed in turn, ``--rounds``
 rounds in rotated order (a source timed first reads faster at one 4K row), the median kept, and
 each source's whole kernel (stop 99) is checked to select what the first source's does
-(``output``: same or differs); ``--logits indexer --per-seed`` times benchmarks/indexer.py's
+(``output``: same or differs) and reported with its registers and spilled bytes (ptxas);
+``--logits indexer --per-seed`` times benchmarks/indexer.py's
 logits of each seed on its own (the top-k's time follows how many keys share the threshold's
 bins). Only the kernels the cases launch are compiled, the cuts in parallel.
 
@@ -161,8 +162,17 @@ def indexer_logits(B: int, L: int, W: int, seed: int) -> torch.Tensor:
     return tk.paged_indexer_logits(*Inputs(B, L, 1, seed=seed).args(0), W)
 
 
-def _compile(arch: str, text: str) -> bytes:
-    return cuda_topk.compile_source(arch, text=text)[0]
+def _compile(arch: str, text: str) -> tuple[bytes, str]:
+    return cuda_topk.compile_source(arch, text=text, extra_options=("--ptxas-options=-v",))
+
+
+def kernel_resources(log: str, name: str) -> tuple[int, int] | None:
+    """(registers a thread, spill-store bytes) of entry ``name`` in a ``ptxas -v`` log (None: not
+    in it). A source change can move a kernel's registers and slow a path it does not touch
+    (benchmarks/NOTES.md, runs 174-179): the whole kernel's numbers go beside its time."""
+    m = re.search(rf"entry function '{re.escape(name)}'.*?(\d+) bytes spill stores.*?Used (\d+) registers",
+                  log, re.S)
+    return (int(m.group(2)), int(m.group(1))) if m else None
 
 
 def main() -> None:
@@ -223,9 +233,10 @@ def main() -> None:
     spawn = multiprocessing.get_context("spawn")  # NVRTC only: no CUDA context in the workers
     workers = min(len(jobs), os.cpu_count() or 1)
     with concurrent.futures.ProcessPoolExecutor(workers, mp_context=spawn) as pool:
-        cubins = list(pool.map(_compile, [arch] * len(texts), texts))
+        built = list(pool.map(_compile, [arch] * len(texts), texts))
     modules = {job: cuda_topk._check(driver.cuModuleLoadData(cubin), "cuModuleLoadData")
-               for job, cubin in zip(jobs, cubins)}
+               for job, (cubin, _) in zip(jobs, built)}
+    logs = {job: log for job, (_, log) in zip(jobs, built)}
     rows_out = []
     for C, B, L, W, plan in cases:
         name = cuda_topk.cluster_kernel_name(C, True, plan.threads)
@@ -253,6 +264,9 @@ def main() -> None:
                        "defines": a.define, "source": src, "rounds": a.rounds}
                 for stop in stops:
                     res[NAMES[stop]] = times[(src, stop)]
+                used = kernel_resources(logs[(src, 99)], name) if 99 in stops else None
+                if used is not None:
+                    res["registers"], res["spill_bytes"] = used
                 if 99 in stops:  # the whole kernel's selection, against the first source's
                     cut_calls(fake, fns[(src, 99)], plan, C, inputs[:1], lens, out, 1)[0]()
                     got = out.clone()
@@ -268,7 +282,8 @@ def main() -> None:
                 print(f"C={C} B={B} L={L} W={W} cap={plan.cap} threads={plan.threads} seeds={res['seeds']} "
                       f"{' '.join(a.define)} {src or 'library'} "
                       f"total {res[NAMES[stops[-1]]]:.2f} us: " + ", ".join(parts)
-                      + (f" (output {res['output']})" if "output" in res else ""),
+                      + (f" (output {res['output']})" if "output" in res else "")
+                      + (f" [{used[0]} registers, {used[1]} bytes spilled]" if used is not None else ""),
                       flush=True)
     write_rows(rows_out, a.out, "cuda_topk_phases.json")
 

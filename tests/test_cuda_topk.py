@@ -526,11 +526,32 @@ def test_phase_tool_compares_selections_as_sets_per_row():
 
 @pytest.mark.skipif(not NVRTC_OK, reason=f"NVRTC unavailable: {NVRTC_WHY}")
 def test_phase_cut_compiles():
-    """The finest cuts inside the register body compile (one kept kernel: seconds)."""
+    """The finest cuts inside the register body compile (one kept kernel: seconds), and the whole
+    kernel's registers and spills are read from ptxas's report as the tool prints them."""
     ph = _phases_tool()
     for stop in (22, 31):
         cubin, _ = cuda_topk.compile_source("sm_90", text=ph.cut_source(stop, keep={(8, 1024), (1, 1024)}))
         assert len(cubin) > 1000
+    cubin, log = ph._compile("sm_90a", ph.cut_source(99, keep={(8, 1024)}))
+    regs, spilled = ph.kernel_resources(log, cuda_topk.cluster_kernel_name(8, True, 1024))
+    assert 32 <= regs <= 64 and spilled == 0  # __launch_bounds__(1024, 1): at most 64
+    assert ph.kernel_resources(log, cuda_topk.cluster_kernel_name(4, True, 1024)) is None  # not kept
+
+
+def test_phase_tool_reads_each_kernels_resources_from_a_ptxas_log():
+    ph = _phases_tool()
+    log = """ptxas info    : Compiling entry function 'topk_cluster_c16_t1024_a1' for 'sm_90a'
+ptxas info    : Function properties for topk_cluster_c16_t1024_a1
+ptxas         .     8 bytes stack frame, 4 bytes spill stores, 8 bytes spill loads
+ptxas info    : Used 64 registers, used 1 barriers, 880 bytes smem
+ptxas info    : Compiling entry function 'topk_cluster_c1_t1024_a1' for 'sm_90a'
+ptxas info    : Function properties for topk_cluster_c1_t1024_a1
+ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 58 registers, used 1 barriers, 880 bytes smem
+"""
+    assert ph.kernel_resources(log, "topk_cluster_c16_t1024_a1") == (64, 4)
+    assert ph.kernel_resources(log, "topk_cluster_c1_t1024_a1") == (58, 0)
+    assert ph.kernel_resources(log, "topk_cluster_c1_t512_a1") is None
 
 
 def test_trace_stamps_anchor_in_the_library_source():
