@@ -162,7 +162,12 @@ def indexer_logits(B: int, L: int, W: int, seed: int) -> torch.Tensor:
     return tk.paged_indexer_logits(*Inputs(B, L, 1, seed=seed).args(0), W)
 
 
-def _compile(arch: str, text: str) -> tuple[bytes, str]:
+def _compile(arch: str, text: str) -> bytes:
+    return cuda_topk.compile_source(arch, text=text)[0]
+
+
+def _compile_reported(arch: str, text: str) -> tuple[bytes, str]:
+    """The cubin and ptxas's ``-v`` report (``kernel_resources`` reads it)."""
     return cuda_topk.compile_source(arch, text=text, extra_options=("--ptxas-options=-v",))
 
 
@@ -233,7 +238,7 @@ def main() -> None:
     spawn = multiprocessing.get_context("spawn")  # NVRTC only: no CUDA context in the workers
     workers = min(len(jobs), os.cpu_count() or 1)
     with concurrent.futures.ProcessPoolExecutor(workers, mp_context=spawn) as pool:
-        built = list(pool.map(_compile, [arch] * len(texts), texts))
+        built = list(pool.map(_compile_reported, [arch] * len(texts), texts))
     modules = {job: cuda_topk._check(driver.cuModuleLoadData(cubin), "cuModuleLoadData")
                for job, (cubin, _) in zip(jobs, built)}
     logs = {job: log for job, (_, log) in zip(jobs, built)}

@@ -532,10 +532,13 @@ def test_phase_cut_compiles():
     for stop in (22, 31):
         cubin, _ = cuda_topk.compile_source("sm_90", text=ph.cut_source(stop, keep={(8, 1024), (1, 1024)}))
         assert len(cubin) > 1000
-    cubin, log = ph._compile("sm_90a", ph.cut_source(99, keep={(8, 1024)}))
+    cubin, log = ph._compile_reported("sm_90a", ph.cut_source(99, keep={(8, 1024)}))
     regs, spilled = ph.kernel_resources(log, cuda_topk.cluster_kernel_name(8, True, 1024))
     assert 32 <= regs <= 64 and spilled == 0  # __launch_bounds__(1024, 1): at most 64
     assert ph.kernel_resources(log, cuda_topk.cluster_kernel_name(4, True, 1024)) is None  # not kept
+    # the trace tool loads what its _compile (the phases tool's) returns: the cubin itself
+    tr = _bench_tool("cuda_topk_trace")
+    assert isinstance(tr._compile("sm_90a", ph.cut_source(99, keep={(8, 1024)})), bytes)
 
 
 def test_phase_tool_reads_each_kernels_resources_from_a_ptxas_log():
