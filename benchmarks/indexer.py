@@ -311,22 +311,27 @@ def flashinfer_stamp(src: str) -> str:
     return h.hexdigest()
 
 
-def flashinfer_prebuilt(src: str, arch: str) -> str | None:
-    """``src``'s prebuilt library for ``arch`` (``libfi_topk.sm_<arch>.so``), or None when it is
-    missing or its ``.sha256`` stamp is not today's wrapper and headers (then it is stale)."""
-    so = os.path.join(src, f"libfi_topk.sm_{arch}.so")
+def flashinfer_fresh(so: str, src: str) -> bool:
+    """Whether the library ``so`` exists and its ``.sha256`` stamp is today's wrapper and ``src``'s
+    headers (else it is missing or stale)."""
     try:
         with open(so + ".sha256") as f:
             stamp = f.read().strip()
     except OSError:
-        return None
-    return so if os.path.exists(so) and stamp == flashinfer_stamp(src) else None
+        return False
+    return os.path.exists(so) and stamp == flashinfer_stamp(src)
+
+
+def flashinfer_prebuilt(src: str, arch: str) -> str | None:
+    """``src``'s prebuilt library for ``arch`` (``libfi_topk.sm_<arch>.so``) when it is fresh
+    (``flashinfer_fresh``), else None."""
+    so = os.path.join(src, f"libfi_topk.sm_{arch}.so")
+    return so if flashinfer_fresh(so, src) else None
 
 
 def build_flashinfer_topk(src: str, arch: str, so: str, nvcc: str) -> None:
     """Compile our wrapper over ``src``'s FlashInfer headers for ``sm_<arch>`` into ``so`` (the
     CUDA runtime linked statically, so it loads wherever the driver is new enough) and stamp it."""
-    import shutil
     import subprocess
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -340,7 +345,7 @@ def build_flashinfer_topk(src: str, arch: str, so: str, nvcc: str) -> None:
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"nvcc failed ({done.returncode}): {done.stderr[-2000:]}")
-        shutil.move(so + ".tmp", so)
+        os.replace(so + ".tmp", so)
     with open(so + ".sha256", "w") as f:
         f.write(flashinfer_stamp(src) + "\n")
 
@@ -392,10 +397,9 @@ def load_flashinfer_topk():
                   "today's wrapper and headers): compiling here", flush=True)
         build = os.path.join(tempfile.gettempdir(), "peers_fi")
         os.makedirs(build, exist_ok=True)
-        so = os.path.join(build, f"libfi_topk.sm_{arch}.so")
-        if flashinfer_prebuilt(build, arch) is None:
-            shutil.copy(os.path.join(src, "include.tar.xz"), build)
-            build_flashinfer_topk(build, arch, so, shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc")
+        so = os.path.join(build, f"libfi_topk.sm_{arch}.so")  # cached for later runs of these sources
+        if not flashinfer_fresh(so, src):
+            build_flashinfer_topk(src, arch, so, shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc")
     else:
         print(f"FlashInfer's top-k: prebuilt {os.path.relpath(so, ROOT)}", flush=True)
     lib = ctypes.CDLL(so)

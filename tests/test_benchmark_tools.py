@@ -437,6 +437,14 @@ def test_a_prebuilt_flashinfer_peer_loads_only_with_todays_stamp(indexer, tmp_pa
     wrapper.write_text("// v2")
     monkeypatch.setattr(indexer, "FI_WRAPPER", str(wrapper))  # a changed wrapper: stale too
     assert indexer.flashinfer_prebuilt(str(src), "90a") is None
+    # a library cached elsewhere (the GPU host's temp dir) follows the same sources' stamp
+    cached = tmp_path / "cache" / "libfi_topk.sm_90a.so"
+    cached.parent.mkdir()
+    cached.write_bytes(b"\x7fELF")
+    (tmp_path / "cache" / "libfi_topk.sm_90a.so.sha256").write_text(indexer.flashinfer_stamp(str(src)))
+    assert indexer.flashinfer_fresh(str(cached), str(src))
+    (src / "include.tar.xz").write_bytes(b"headers v3")  # the checkout's headers moved on
+    assert not indexer.flashinfer_fresh(str(cached), str(src))
 
 
 def test_build_flashinfer_exits_2_naming_what_is_missing(indexer, tmp_path, monkeypatch, capsys):

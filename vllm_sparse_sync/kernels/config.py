@@ -67,8 +67,7 @@ class ScorerConfig:
     copies leave the logits in L2 (evict-first), its step measured 0.5-4.4% faster from one row of
     64K to 128 rows of 8K (benchmarks/NOTES.md, run 156; before them it lost at 2-16 rows of 64K,
     runs 138-139), and 0.985-1.001 of Triton's at calls of 4K-32K tokens, 1-8 rows (runs 157,
-    165 and 166). Calls of fewer tokens (a row of at most 2K, under any top-k of 2048) stay on Triton:
-    not measured."""
+    165 and 166). Smaller calls (under 4096 rows x width tokens) stay on Triton: not measured."""
     cuda_fp8_one_row_min_width: int = 0
     """The e4m3 path takes the CUDA scorer for one-row calls of a width bound of at least this
     (0: only by ``cuda_fp8_min_tokens``)."""
