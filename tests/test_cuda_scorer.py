@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from vllm_sparse_sync.kernels import cuda_scorer, cuda_topk
-from vllm_sparse_sync.kernels.config import DEFAULT_CONFIG
+from vllm_sparse_sync.kernels.config import DEFAULT_CONFIG, ScorerConfig
 from vllm_sparse_sync.kernels.route import CUDA, TRITON, DeviceInfo, plan_route, scorer_for
 
 LBO, SBO = 128, 256  # the kernel's b_desc: K-adjacent and N-adjacent core matrices
@@ -368,19 +368,62 @@ def test_the_launch_takes_the_build_of_its_row_count(monkeypatch, rows, narrow_r
     monkeypatch.setattr(cuda_scorer, "module_for", fake_module_for)
     monkeypatch.setattr(cuda_scorer, "_index", lambda device: 0)
     monkeypatch.setattr(cuda_topk, "launch_values",
-                        lambda mod, fn, grid, threads, smem, values, device: launched.append((grid, threads)))
+                        lambda mod, fn, grid, threads, smem, values, device, *, pdl:
+                        launched.append((grid, threads, pdl)))
     q = torch.zeros(rows, 64, 128, dtype=torch.uint8)
     w = torch.zeros(rows, 64)
     cache = torch.zeros(4, cuda_scorer.SLOT_BYTES, dtype=torch.uint8)
     table = torch.zeros(rows, 2, dtype=torch.int32)
     lens = torch.zeros(rows, dtype=torch.int32)
     out = torch.zeros(rows, 128)
-    cfg = ScorerConfig(cuda_narrow_rows=narrow_rows)
+    pdl = rows % 2 == 1  # the scorer.pdl flag reaches the launch either way
+    cfg = ScorerConfig(cuda_narrow_rows=narrow_rows, pdl=pdl)
     args = (q, w, cache, table, lens, None, out)
     cuda_scorer.launch_cuda_score(*args, page_size=64, sel_width=128, fill_width=0, splits=5, config=cfg)
     assert built == [cuda_scorer.build_defines(consumers)]
-    assert launched == [((rows, 5, 1), cuda_scorer.threads_for(consumers))]
+    assert launched == [((rows, 5, 1), cuda_scorer.threads_for(consumers), pdl)]
     given = FakeModule(())
     cuda_scorer.launch_cuda_score(*args, page_size=64, sel_width=128, fill_width=0, splits=5, config=cfg,
                                   module=given)
-    assert len(built) == 1 and launched[-1] == ((rows, 5, 1), cuda_scorer.THREADS)
+    assert len(built) == 1 and launched[-1] == ((rows, 5, 1), cuda_scorer.THREADS, pdl)
+
+
+def _code(text: str) -> str:
+    """``text`` without its comments."""
+    return re.sub(r"//[^\n]*|/\*.*?\*/", "", text, flags=re.S)
+
+
+def _function_body(src: str, signature: str) -> str:
+    """The code of the function that ``signature`` opens, from its body's first brace on."""
+    start = src.index(signature)
+    return _code(src[src.index(") {", start) + 3:])
+
+
+def test_the_scorer_waits_for_the_previous_kernel_before_any_global_access():
+    """A dependent launch of the scorer (``scorer.pdl``) may start while the kernel ahead of it
+    runs: every CTA waits for it (``griddepcontrol.wait``, compiled in by default) before it
+    touches any pointer it was given, and only then lets its own dependents launch, so the top-k's
+    live lengths read before its own wait (``lens_early``) see every earlier kernel's writes."""
+    src = cuda_scorer.source()
+    assert re.search(r"^#define PDL_WAIT 1\b", src, flags=re.M)
+    body = _function_body(src, "__device__ __forceinline__ void score_row(")
+    wait = body.index("griddepcontrol.wait")
+    assert body.count("griddepcontrol.wait") == 1
+    assert wait < body.index("griddepcontrol.launch_dependents")
+    before = set(re.findall(r"[A-Za-z_]\w*", body[:wait]))
+    pointers = {"q", "w", "kc", "bt", "lens", "active", "out", "load_int", "bulk_copy"}
+    assert not before & pointers, f"used before the wait: {sorted(before & pointers)}"
+    assert ScorerConfig().pdl is True
+    with pytest.raises(TypeError, match="scorer.pdl"):
+        ScorerConfig(pdl=1)
+
+
+def test_the_top_k_lets_the_next_kernel_launch_once_its_own_wait_is_over():
+    """The cluster top-k lets its dependents launch (the next step's scorer, a dependent launch
+    that waits for it) by default, as soon as every kernel before it has completed: after its own
+    wait, never before it, so a dependent never starts ahead of the kernels before the top-k."""
+    src = cuda_topk.source()
+    assert re.search(r"^#define TOPK_TRIGGER 1\b", src, flags=re.M)
+    body = _function_body(src, "__device__ __forceinline__ void topk_cluster_row(")
+    assert body.count("griddepcontrol.launch_dependents") == 1
+    assert body.index("grid_dependency_wait()") < body.index("griddepcontrol.launch_dependents")

@@ -310,3 +310,134 @@ def test_a_captured_one_row_step_replays_on_the_narrow_build():
         graph.replay()
         torch.cuda.synchronize()
         _check(out, ref.paged_indexer_logits(*case.args, 25600), True, [n])
+
+
+def _chained_outputs(cases, ws, steps, k):
+    """Each of ``steps`` steps in one CUDA graph on ``cases[i % len(cases)]``, every step on ``ws``
+    (one logits buffer: a step's scorer overwrites the scores the step before it selects from)
+    into its own output; the outputs after one replay."""
+    from vllm_sparse_sync.kernels import triton_ops
+
+    rows = cases[0].row_lens.numel()
+    outs = [torch.full((rows, k), -7, dtype=torch.int32, device=DEV) for _ in range(steps)]
+
+    def run():
+        for i, out in enumerate(outs):
+            triton_ops.indexer_topk(*cases[i % len(cases)].args, k, workspace=ws, out=out)
+
+    run()
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    for out in outs:
+        out.fill_(-7)
+    graph.replay()
+    torch.cuda.synchronize()
+    return outs
+
+
+def test_chained_steps_select_what_each_step_alone_does():
+    """The scorer is a dependent launch after the step before it, whose top-k lets it launch once
+    its own wait is over: it must wait for that top-k before it writes the logits the top-k still
+    reads. Steps chained in a graph select exactly what each step does alone."""
+    from vllm_sparse_sync.kernels import triton_ops
+    from vllm_sparse_sync.kernels.workspace import IndexerTopkWorkspace
+
+    k, width = 2048, 4096
+    cases = [make_case([4096], heads=64, table_pages=width // 64, device=DEV, seed=40 + s) for s in range(4)]
+    ws = IndexerTopkWorkspace(1, k, width, DEV)
+    route = ws.route(1, width, 64)
+    assert route.scorer == "cuda" and route.kind == "cuda_radix" and ws.config.scorer.pdl
+    alone = IndexerTopkWorkspace(1, k, width, DEV, config=DEFAULT_CONFIG.with_values(**{"scorer.pdl": False}))
+    want = []
+    for case in cases:
+        want.append(triton_ops.indexer_topk(*case.args, k, workspace=alone).clone())
+        torch.cuda.synchronize()
+    for _ in range(3):
+        outs = _chained_outputs(cases, ws, 48, k)
+        assert all(torch.equal(out, want[i % len(cases)]) for i, out in enumerate(outs))
+
+
+# a kernel that lets the stream's next (dependent) launch start at once, then copies `src` into
+# `dst` `wait_ns` later: a previous kernel that writes the scorer's weights late
+_LATE_COPY = r"""
+extern "C" __global__ void late_copy(float* dst, const float* src, int n, unsigned long long wait_ns) {
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    unsigned long long t0, t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    do {
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    } while (t - t0 < wait_ns);
+    for (int i = threadIdx.x; i < n; i += blockDim.x) dst[i] = src[i];
+}
+"""
+
+
+def _late_copier():
+    """``copy(dst, src)``: launches ``_LATE_COPY`` (one CTA, 2 ms late) on the current stream."""
+    import ctypes
+
+    from vllm_sparse_sync.kernels import cuda_topk
+
+    mod = cuda_topk.module_for(DEV)
+    cubin, _ = cuda_topk.compile_source(mod.arch, text=_LATE_COPY, name="late_copy.cu")
+    module = cuda_topk._check(mod.driver.cuModuleLoadData(cubin), "cuModuleLoadData")
+    fn = cuda_topk._check(mod.driver.cuModuleGetFunction(module, b"late_copy"), "cuModuleGetFunction")
+
+    def copy(dst, src, wait_ns=2_000_000):
+        values = (ctypes.c_void_p(dst.data_ptr()), ctypes.c_void_p(src.data_ptr()), ctypes.c_int(dst.numel()),
+                  ctypes.c_ulonglong(wait_ns))
+        cuda_topk.launch_values(mod, fn, (1, 1, 1), 128, 0, values, dst.device)
+
+    return copy
+
+
+@pytest.mark.parametrize("waits", [True, False], ids=["library", "planted-no-wait"])
+def test_the_scorer_reads_what_the_kernel_before_it_wrote(waits):
+    """After a kernel that lets it launch at once and writes the head weights 2 ms later, the
+    step's scorer (a dependent launch) scores with the new weights: it waits for that kernel
+    before it reads them. A scorer built without the wait (``PDL_WAIT=0``, planted) reads the old
+    ones, and the selection follows them."""
+    from vllm_sparse_sync.kernels import cuda_scorer, triton_ops
+    from vllm_sparse_sync.kernels.workspace import IndexerTopkWorkspace
+
+    k, width = 512, 4096
+    case = make_case([4096, 3000], heads=64, table_pages=width // 64, device=DEV, seed=77)
+    w_old, w_new = case.weights.clone(), -case.weights
+    ws = IndexerTopkWorkspace(2, k, width, DEV)
+    assert ws.route(2, width, 64).scorer == "cuda" and ws.config.scorer.pdl
+    want = {}
+    for name, wt in (("old", w_old), ("new", w_new)):
+        case.weights.copy_(wt)
+        want[name] = _sets(triton_ops.indexer_topk(*case.args, k, workspace=ws))
+    assert not torch.equal(want["old"], want["new"])
+    copy = _late_copier()
+    real = cuda_scorer.module_for
+    if not waits:
+        cuda_scorer.module_for = lambda index, defines=(): real(index, tuple(defines) + (("PDL_WAIT", 0),))
+    try:
+        out = torch.empty(2, k, dtype=torch.int32, device=DEV)
+        for _ in range(2):  # the first call loads every kernel (CUDA loads a kernel's code lazily)
+            case.weights.copy_(w_old)
+            torch.cuda.synchronize()
+            copy(case.weights, w_new)
+            triton_ops.indexer_topk(*case.args, k, workspace=ws, out=out)
+            torch.cuda.synchronize()
+    finally:
+        cuda_scorer.module_for = real
+    got = _sets(out)
+    if waits:
+        assert torch.equal(got, want["new"])
+    else:
+        assert torch.equal(got, want["old"]), "the planted scorer did not read the old weights"
+
+
+def _sets(t):
+    """Each row's selected positions, sorted."""
+    return t.sort(dim=1).values

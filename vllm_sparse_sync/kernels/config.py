@@ -85,10 +85,18 @@ class ScorerConfig:
     """Each program lets the next kernel launch as it starts (``griddepcontrol.launch_dependents``,
     where Triton has it): the step's CUDA top-k, a programmatic dependent launch, is then resident
     and waiting when the scores are done; it still reads them only after the whole scorer."""
+    pdl: bool = True
+    """The CUDA scorer is a programmatic dependent launch: its CTAs may start while the stream's
+    previous kernel finishes, and wait for it to complete before any global access (and before
+    letting their own dependents launch). With the CUDA top-k letting the next kernel launch once
+    its own wait is over, back-to-back steps measured 0.4-0.7 us faster from 1 to 128 rows, and a
+    step after a kernel that does not let it launch early 0.1-0.4 us (benchmarks/NOTES.md, run
+    185; no gain at 32-64 rows of 64K)."""
 
     def __post_init__(self) -> None:
         _flag("scorer.cuda", self.cuda)
         _flag("scorer.launch_dependents", self.launch_dependents)
+        _flag("scorer.pdl", self.pdl)
         _pow2("scorer.tile", self.tile)
         _pow2("scorer.warps", self.warps)
         _positive("scorer.stages", self.stages)

@@ -34,6 +34,8 @@
 //             holds key bytes 32c .. 32c + 31 of its rows, and the B operand is the query with
 //             its dimensions permuted the same way (phys_dim below), so each thread's key bytes
 //             are contiguous in shared memory.
+// Launch: a programmatic dependent launch where the host asks (scorer.pdl): every CTA first waits
+// for the stream's previous kernel (griddepcontrol.wait), then lets its own dependents launch.
 // Exactness: the PRECISE products are exact (e4m3 -> f16 is exact), sums in fp32 (as the Triton
 // scorer's fp16 dot); the e4m3 tensor-core path accumulates with ~14 mantissa bits (as DeepGEMM).
 // A NaN dot counts as 0 (maxNum relu); a NaN score is written as a negative NaN (its sortable key
@@ -60,6 +62,9 @@ typedef long long i64;
 #ifndef PROXY_FENCE
 #define PROXY_FENCE 0  // 1: a generic-to-async proxy fence before each refill (the empty mbarrier's
 #endif                 // release and acquire already order the consumers' reads before the copy)
+#ifndef PDL_WAIT
+#define PDL_WAIT 1  // tests only: 0 plants a scorer that touches memory before the previous kernel is done
+#endif
 #ifndef RING_STRESS_NS
 #define RING_STRESS_NS 0  // tests only: > 0 sleeps producer lanes and consumers pseudo-randomly, up to
 #endif                    // this many ns a tile, so the ring runs under shuffled timings
@@ -359,6 +364,13 @@ __device__ __forceinline__ void score_row(
     static_assert(STAGES % CONSUMERS == 0 && STAGES_SHORT % CONSUMERS == 0, "each consumer owns its ring's slots / CONSUMERS");
     static_assert(32 % ISSUE_LANES == 0 && ISSUE_LANES <= (STAGES < STAGES_SHORT ? STAGES : STAGES_SHORT), "a group of issued tiles shares one page-id load");
 
+    // a programmatic dependent launch (the host's scorer.pdl) waits here for the stream's previous
+    // kernel to complete (a no-op otherwise): nothing global is read or written before it. Only
+    // then are the dependents let launch, so a dependent that reads before its own wait (the
+    // top-k's live lengths) sees every write of the kernels before this one
+#if PDL_WAIT
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
     if (launch_dependents) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
     const int row = blockIdx.x;
     const int split = blockIdx.y;

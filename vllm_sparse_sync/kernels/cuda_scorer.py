@@ -156,6 +156,10 @@ class _Module:
         cubin, self.origin = build_cubin(defines)
         self.module = _check(driver.cuModuleLoadData(cubin), "cuModuleLoadData")
         self.functions: dict[str, object] = {}
+        attr = driver.CUlaunchAttribute()
+        attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        attr.value.programmaticStreamSerializationAllowed = 1
+        self.pdl_attribute = attr
 
     def function(self, heads: int, precise: bool, stages: int = STAGES_SHORT):
         name = kernel_name(heads, precise, stages)
@@ -220,7 +224,8 @@ def launch_cuda_score(
     values = score_values(q_fp8, weights, k_cache, block_table, row_lens, active, out, page_size=page_size,
                           sel_width=sel_width, fill_width=fill_width, config=config, deep_tiles=deep_tiles)
     smem = smem_bytes(heads, config.precise, stages)
-    cuda_topk.launch_values(mod, fn, (rows, splits, 1), mod.threads, smem, values, q_fp8.device)
+    cuda_topk.launch_values(mod, fn, (rows, splits, 1), mod.threads, smem, values, q_fp8.device,
+                            pdl=config.pdl)
 
 
 def score_values(q_fp8, weights, k_cache, block_table, row_lens, active, out, *, page_size, sel_width,

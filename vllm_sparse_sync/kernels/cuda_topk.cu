@@ -770,6 +770,9 @@ __device__ __forceinline__ void block_excl_scan2(u32& a, u32& b, u32* s_scan, u3
     b = bb + ib - b;
 }
 
+#ifndef TOPK_TRIGGER
+#define TOPK_TRIGGER 1  // 0: experiments only (the next kernel launches when this one's CTAs leave)
+#endif
 #define SOLO_MAX 16384  // cuda_topk_emu.SOLO_MAX
 #define TIE_MAX 32  // cuda_topk_emu.TIE_MAX
 #define SOLO_TIE_MAX 128  // cuda_topk_emu.SOLO_TIE_MAX
@@ -1463,6 +1466,11 @@ __device__ __forceinline__ void topk_cluster_row(const float* __restrict__ logit
     // lengths: a step's scorer). Every other global read and write comes after that kernel's
     const int n_early = lens_early ? live_length(lens, lens64, active, active64, row, sel_width) : 0;
     grid_dependency_wait();
+#if TOPK_TRIGGER
+    // the next kernel, where it is a programmatic dependent launch (the next step's CUDA scorer),
+    // may launch now, once every kernel before this one has completed (as the scorer does)
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
 
     __shared__ BodyScratch sc;
     FirstKeys first;

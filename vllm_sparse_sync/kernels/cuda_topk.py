@@ -507,8 +507,9 @@ def launch_cuda_topk_cluster(
     shared-memory setup overlaps the end of the stream's previous kernel (the scorer, in a
     step); the kernel reads nothing global before that kernel has completed, except with
     ``lens_early``: ``row_lens`` and ``active`` are read before, so only where the stream's
-    previous kernel does not write them and began after every write of them had completed (a
-    step's scorer, launched plainly after them). Returns the plan launched.
+    previous kernel does not write them and lets this one launch only once every write of them
+    has completed (a step's scorer: plain, or a dependent launch that waits before it lets its
+    dependents launch). Returns the plan launched.
 
     ``x`` must hold at least ``sel_width`` columns: the kernel may read any of them before it
     knows a row's live length (a ``ValueError`` names the shape otherwise).
