@@ -427,3 +427,13 @@ def test_the_top_k_lets_the_next_kernel_launch_once_its_own_wait_is_over():
     body = _function_body(src, "__device__ __forceinline__ void topk_cluster_row(")
     assert body.count("griddepcontrol.launch_dependents") == 1
     assert body.index("grid_dependency_wait()") < body.index("griddepcontrol.launch_dependents")
+
+
+@pytest.mark.skipif(not NVRTC_OK, reason=f"NVRTC unavailable: {NVRTC_WHY}")
+def test_the_dependent_launch_attribute_is_programmatic_stream_serialization():
+    """Both modules' ``pdl`` launches carry the attribute that lets them start before the previous
+    kernel completes (built from the driver bindings alone, no GPU)."""
+    driver, _ = cuda_topk._bindings()
+    attr = cuda_topk.pdl_launch_attribute(driver)
+    assert attr.id == driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    assert attr.value.programmaticStreamSerializationAllowed == 1

@@ -156,10 +156,7 @@ class _Module:
         cubin, self.origin = build_cubin(defines)
         self.module = _check(driver.cuModuleLoadData(cubin), "cuModuleLoadData")
         self.functions: dict[str, object] = {}
-        attr = driver.CUlaunchAttribute()
-        attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-        attr.value.programmaticStreamSerializationAllowed = 1
-        self.pdl_attribute = attr
+        self.pdl_attribute = cuda_topk.pdl_launch_attribute(driver)  # scorer.pdl's launches
 
     def function(self, heads: int, precise: bool, stages: int = STAGES_SHORT):
         name = kernel_name(heads, precise, stages)

@@ -332,10 +332,7 @@ class _Module:
         self.smem_per_sm = int(_check(driver.cuDeviceGetAttribute(per_sm, cu_dev), "cuDeviceGetAttribute"))
         self.cluster_ok = self.smem_optin > 0
         self.cluster16 = self.cluster_ok and self._can_launch_cluster16()
-        attr = driver.CUlaunchAttribute()
-        attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-        attr.value.programmaticStreamSerializationAllowed = 1
-        self.pdl_attribute = attr
+        self.pdl_attribute = pdl_launch_attribute(driver)
 
     def _can_launch_cluster16(self) -> bool:
         """Whether 16-CTA clusters of the widest plan (1024 threads, all the opt-in shared memory)
@@ -365,6 +362,15 @@ class _Module:
             _check(self.driver.cuFuncSetAttribute(fn, attr, smem), "cuFuncSetAttribute(max dynamic smem)")
             self.smem_set[name] = smem
         return fn
+
+
+def pdl_launch_attribute(driver):
+    """The launch attribute that makes a launch a programmatic dependent one (``launch_values``'s
+    ``pdl``): it may start before the stream's previous kernel completes."""
+    attr = driver.CUlaunchAttribute()
+    attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    attr.value.programmaticStreamSerializationAllowed = 1
+    return attr
 
 
 def allow_cluster_size(driver, fn, name: str) -> None:
