@@ -14,6 +14,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from late_writer import late_copier
 
 from vllm_sparse_sync.kernels import reference as ref
 from vllm_sparse_sync.kernels.config import DEFAULT_CONFIG, ScorerConfig
@@ -356,40 +357,6 @@ def test_chained_steps_select_what_each_step_alone_does():
         assert all(torch.equal(out, want[i % len(cases)]) for i, out in enumerate(outs))
 
 
-# a kernel that lets the stream's next (dependent) launch start at once, then copies `src` into
-# `dst` `wait_ns` later: a previous kernel that writes the scorer's weights late
-_LATE_COPY = r"""
-extern "C" __global__ void late_copy(float* dst, const float* src, int n, unsigned long long wait_ns) {
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-    unsigned long long t0, t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
-    do {
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    } while (t - t0 < wait_ns);
-    for (int i = threadIdx.x; i < n; i += blockDim.x) dst[i] = src[i];
-}
-"""
-
-
-def _late_copier():
-    """``copy(dst, src)``: launches ``_LATE_COPY`` (one CTA, 2 ms late) on the current stream."""
-    import ctypes
-
-    from vllm_sparse_sync.kernels import cuda_topk
-
-    mod = cuda_topk.module_for(DEV)
-    cubin, _ = cuda_topk.compile_source(mod.arch, text=_LATE_COPY, name="late_copy.cu")
-    module = cuda_topk._check(mod.driver.cuModuleLoadData(cubin), "cuModuleLoadData")
-    fn = cuda_topk._check(mod.driver.cuModuleGetFunction(module, b"late_copy"), "cuModuleGetFunction")
-
-    def copy(dst, src, wait_ns=2_000_000):
-        values = (ctypes.c_void_p(dst.data_ptr()), ctypes.c_void_p(src.data_ptr()), ctypes.c_int(dst.numel()),
-                  ctypes.c_ulonglong(wait_ns))
-        cuda_topk.launch_values(mod, fn, (1, 1, 1), 128, 0, values, dst.device)
-
-    return copy
-
-
 @pytest.mark.parametrize("waits", [True, False], ids=["library", "planted-no-wait"])
 def test_the_scorer_reads_what_the_kernel_before_it_wrote(waits):
     """After a kernel that lets it launch at once and writes the head weights 2 ms later, the
@@ -409,7 +376,7 @@ def test_the_scorer_reads_what_the_kernel_before_it_wrote(waits):
         case.weights.copy_(wt)
         want[name] = _sets(triton_ops.indexer_topk(*case.args, k, workspace=ws))
     assert not torch.equal(want["old"], want["new"])
-    copy = _late_copier()
+    copy = late_copier(DEV)
     real = cuda_scorer.module_for
     if not waits:
         cuda_scorer.module_for = lambda index, defines=(): real(index, tuple(defines) + (("PDL_WAIT", 0),))
@@ -418,7 +385,7 @@ def test_the_scorer_reads_what_the_kernel_before_it_wrote(waits):
         for _ in range(2):  # the first call loads every kernel (CUDA loads a kernel's code lazily)
             case.weights.copy_(w_old)
             torch.cuda.synchronize()
-            copy(case.weights, w_new)
+            copy(case.weights, w_new, 2_000_000)  # 2 ms late
             triton_ops.indexer_topk(*case.args, k, workspace=ws, out=out)
             torch.cuda.synchronize()
     finally:

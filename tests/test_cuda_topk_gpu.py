@@ -8,6 +8,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from late_writer import late_copier
 
 from vllm_sparse_sync.kernels import cuda_topk_emu as emu
 from vllm_sparse_sync.kernels import reference as ref
@@ -380,39 +381,9 @@ def test_no_host_sync(route):
     assert check.ran and not check.records
 
 
-# a kernel that lets the stream's next (dependent) launch start at once, then writes the row
-# lengths `wait_ns` later: a previous kernel that writes them (20 ms by default: longer than any
-# kernel the suite's other xdist workers keep on the GPU, so the dependent has started by then)
-_LATE_LENS = r"""
-extern "C" __global__ void late_lens(int* lens, int rows, int value, unsigned long long wait_ns) {
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-    unsigned long long t0, t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
-    do {
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    } while (t - t0 < wait_ns);
-    for (int i = threadIdx.x; i < rows; i += blockDim.x) lens[i] = value;
-}
-"""
-
-
-def _late_lens_writer():
-    """``write(lens, value)``: launches ``_LATE_LENS`` (one CTA) on the current stream."""
-    import ctypes
-
-    from vllm_sparse_sync.kernels import cuda_topk
-
-    mod = cuda_topk.module_for(DEV)
-    cubin, _ = cuda_topk.compile_source(mod.arch, text=_LATE_LENS, name="late_lens.cu")
-    module = cuda_topk._check(mod.driver.cuModuleLoadData(cubin), "cuModuleLoadData")
-    fn = cuda_topk._check(mod.driver.cuModuleGetFunction(module, b"late_lens"), "cuModuleGetFunction")
-
-    def write(lens, value, wait_ns=20_000_000):
-        values = (ctypes.c_void_p(lens.data_ptr()), ctypes.c_int(lens.numel()), ctypes.c_int(value),
-                  ctypes.c_ulonglong(wait_ns))
-        cuda_topk.launch_values(mod, fn, (1, 1, 1), 32, 0, values, lens.device)
-
-    return write
+# the late writer waits 20 ms: longer than any kernel the suite's other xdist workers keep on the GPU,
+# so the dependent launch has started by the time it writes
+_LATE_NS = 20_000_000
 
 
 @pytest.mark.parametrize("cluster", [1, 8])
@@ -425,8 +396,9 @@ def test_early_lengths_are_read_before_the_wait_and_only_where_asked(cluster):
 
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("the cluster route needs sm_90+")
-    write = _late_lens_writer()
+    copy = late_copier(DEV)
     rows, width, old, new = 2, 65536, 65536, 3000
+    new_lens = torch.full((rows,), new, dtype=torch.int32, device=DEV)
     x = torch.randn(rows, width, device=DEV, generator=torch.Generator(device=DEV).manual_seed(3))
     want = {n: ref.topk_indices(x, torch.full((rows,), n, dtype=torch.int32, device=DEV), K)
             for n in (old, new)}
@@ -437,12 +409,12 @@ def test_early_lengths_are_read_before_the_wait_and_only_where_asked(cluster):
         # after the running writer's end (a load waits for it), and the top-k would start only then
         launch_cuda_topk_cluster(x, x.stride(0), lens, None, out, K, width, cluster=cluster, lens_early=early)
         torch.cuda.synchronize()
-        write(lens, new)
+        copy(lens, new_lens, _LATE_NS)
         launch_cuda_topk_cluster(x, x.stride(0), lens, None, out, K, width, cluster=cluster, lens_early=early)
         torch.cuda.synchronize()
         assert torch.equal(_sets(out), _sets(want[old if early else new])), early
     lens = torch.full((rows,), old, dtype=torch.int32, device=DEV)
-    write(lens, new)
+    copy(lens, new_lens, _LATE_NS)
     got = triton_ops.topk_indices(x, lens, K)
     assert torch.equal(_sets(got), _sets(want[new]))
 
@@ -455,7 +427,7 @@ def test_the_step_reads_lengths_written_just_before_it():
 
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("the cluster route needs sm_90+")
-    write = _late_lens_writer()
+    copy = late_copier(DEV)
     lens = [40000, 30000, 5000, 64 * 300]
     case = make_case(lens, heads=64, device=DEV, seed=21)
     width = case.block_table.shape[1] * 64
@@ -463,8 +435,9 @@ def test_the_step_reads_lengths_written_just_before_it():
     route = ws.route(len(lens), width, 64)
     assert route.topk_cluster and ws.config.topk.cuda_lens_early
     new = 2100
-    want = triton_ops.indexer_topk(*case.args[:4], torch.full_like(case.row_lens, new), K, workspace=ws)
-    write(case.row_lens, new)
+    new_lens = torch.full_like(case.row_lens, new)
+    want = triton_ops.indexer_topk(*case.args[:4], new_lens, K, workspace=ws)
+    copy(case.row_lens, new_lens, _LATE_NS)
     got = triton_ops.indexer_topk(*case.args, K, workspace=ws)
     torch.cuda.synchronize()
     assert case.row_lens.tolist() == [new] * len(lens)
