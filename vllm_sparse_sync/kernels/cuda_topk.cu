@@ -881,31 +881,37 @@ __device__ __forceinline__ void topk_cluster_body(const float* __restrict__ logi
     if (multi) cl_arrive();  // after the clears; waited for before the first remote add
     __syncthreads();  // cleared before the first add
 
-    // load + pass A in one sweep
-    for (int i0 = tid * 4, it = 0; i0 < lim; i0 += THREADS * 4 * UNROLL, ++it) {
-        uint4 q[UNROLL];
+    // load + pass A in one sweep; the next sweep's 16-byte groups are in flight while this one's
+    // are stored and counted
+    constexpr int STRIDE = THREADS * 4 * UNROLL;
+    uint4 q[UNROLL];
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u)
+        q[u] = PRE ? first.q[u] : chunk_bits4<ALIGNED>(x, tid * 4 + u * THREADS * 4, lim);
+    for (int i0 = tid * 4; i0 < lim; i0 += STRIDE) {
+        uint4 nq[UNROLL];
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
-            if (PRE && it == 0) {
-                const uint4 b = first.q[u];
-                q[u] = make_uint4(order_key(__uint_as_float(b.x), nan_low), order_key(__uint_as_float(b.y), nan_low),
-                                  order_key(__uint_as_float(b.z), nan_low), order_key(__uint_as_float(b.w), nan_low));
-            } else {
-                q[u] = chunk_keys4<ALIGNED>(x, i0 + u * THREADS * 4, lim, nan_low);
-            }
+            const int np = i0 + STRIDE + u * THREADS * 4;
+            nq[u] = np < lim ? chunk_bits4<ALIGNED>(x, np, lim) : make_uint4(0u, 0u, 0u, 0u);
         }
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
             const int p = i0 + u * THREADS * 4;
             if (p >= lim) continue;
-            *reinterpret_cast<uint4*>(keys + p + RANGE_PAD * __umulhi((u32)p, magic)) = q[u];
-            const u32 b0 = multi ? q[u].x >> 21 : solo_bin(q[u].x), b1 = multi ? q[u].y >> 21 : solo_bin(q[u].y);
-            const u32 b2 = multi ? q[u].z >> 21 : solo_bin(q[u].z), b3 = multi ? q[u].w >> 21 : solo_bin(q[u].w);
+            const uint4 k4 = make_uint4(
+                order_key(__uint_as_float(q[u].x), nan_low), order_key(__uint_as_float(q[u].y), nan_low),
+                order_key(__uint_as_float(q[u].z), nan_low), order_key(__uint_as_float(q[u].w), nan_low));
+            *reinterpret_cast<uint4*>(keys + p + RANGE_PAD * __umulhi((u32)p, magic)) = k4;
+            const u32 b0 = multi ? k4.x >> 21 : solo_bin(k4.x), b1 = multi ? k4.y >> 21 : solo_bin(k4.y);
+            const u32 b2 = multi ? k4.z >> 21 : solo_bin(k4.z), b3 = multi ? k4.w >> 21 : solo_bin(k4.w);
             atomicAdd(&hist[b0], 1u);
             if (p + 1 < lim) atomicAdd(&hist[b1], 1u);
             if (p + 2 < lim) atomicAdd(&hist[b2], 1u);
             if (p + 3 < lim) atomicAdd(&hist[b3], 1u);
         }
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) q[u] = nq[u];
     }
     for (int i = lim + tid; i < len; i += THREADS) {  // the chunk past cap, from global memory
         const u32 u = order_key(__ldg(x + i), nan_low);
