@@ -40,6 +40,17 @@ def replay_us(graph: torch.cuda.CUDAGraph, ncalls: int) -> float:
     return start.elapsed_time(end) * 1000.0 / ncalls
 
 
+def replayed_outputs(graph: torch.cuda.CUDAGraph, out: torch.Tensor, times: int = 3) -> list[torch.Tensor]:
+    """Copies of ``out`` after each of ``times`` synchronized replays of ``graph`` (what its last
+    call wrote), to compare one graph's selections with another's."""
+    outs = []
+    for _ in range(times):
+        graph.replay()
+        torch.cuda.synchronize()
+        outs.append(out.clone())
+    return outs
+
+
 def graph_replay_us(calls: Sequence[Callable[[], object]], iters: int) -> float:
     """Median microseconds per call: the calls captured in one CUDA graph (``capture``), the graph
     replayed ``iters`` times between CUDA events."""

@@ -14,7 +14,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import indexer as ix  # noqa: E402
-from graph_timer import capture, replay_us, rotation  # noqa: E402
+from graph_timer import capture, replay_us, replayed_outputs, rotation  # noqa: E402
+from step_timeline import module_from_text  # noqa: E402
 
 from vllm_sparse_sync.kernels import cuda_topk  # noqa: E402
 
@@ -24,13 +25,7 @@ SHAPES = [tuple(int(x) for x in s.split("x")) for s in os.environ.get(
 
 
 def topk_module(index, trigger):
-    text = f"#define TOPK_TRIGGER {int(trigger)}\n" + cuda_topk.source()
-    saved = cuda_topk.source
-    cuda_topk.source = lambda: text
-    try:
-        return cuda_topk._Module(index)
-    finally:
-        cuda_topk.source = saved
+    return module_from_text(index, f"#define TOPK_TRIGGER {int(trigger)}\n" + cuda_topk.source())
 
 
 def main():
@@ -62,12 +57,7 @@ def main():
             for part, call in calls[name].items():
                 graphs[(name, part)] = capture([(lambda i=i, c=call: c(i)) for i in range(ncalls)])
                 if "step" in part:
-                    outs = []
-                    for _ in range(3):
-                        graphs[(name, part)].replay()
-                        torch.cuda.synchronize()
-                        outs.append(out.clone())
-                    sel[(name, part)] = outs
+                    sel[(name, part)] = replayed_outputs(graphs[(name, part)], out)
         bad = [f"{n}/{p}" for (n, p), o in sel.items()
                if not all(torch.equal(a, b) for a, b in zip(o, sel[("before", p)]))]
         times = {k: [] for k in graphs}

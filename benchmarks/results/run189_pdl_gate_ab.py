@@ -16,7 +16,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import indexer as ix  # noqa: E402
-from graph_timer import capture, replay_us, rotation  # noqa: E402
+from graph_timer import capture, replay_us, replayed_outputs, rotation  # noqa: E402
 
 from vllm_sparse_sync.kernels import cuda_topk  # noqa: E402
 
@@ -74,12 +74,7 @@ def main():
             for part, call in calls.items():
                 graphs[(name, part)] = capture([(lambda i=i, c=call: c(i)) for i in range(ncalls)])
                 if part not in ("scorer", "scorer_fp8"):
-                    outs = []
-                    for _ in range(3):
-                        graphs[(name, part)].replay()
-                        torch.cuda.synchronize()
-                        outs.append(out.clone())
-                    sel[(name, part)] = outs
+                    sel[(name, part)] = replayed_outputs(graphs[(name, part)], out)
         base = {p: sel[("nopdl", "step_fp8" if "prev" in p else p)] for _, p in sel}
         bad = [f"{n}/{p}" for (n, p), o in sel.items()
                if not all(torch.equal(a, b) for a, b in zip(o, base[p]))]
