@@ -251,6 +251,77 @@ def test_one_cta_listed_bins_of_every_size_write_the_emulated_row(n, listed, dis
         assert torch.equal(out.cpu(), want), (route, width, threads)
 
 
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cluster=st.sampled_from([2, 4]), extra=st.integers(1, 20000), listed=st.integers(2, 128),
+       distinct=st.integers(1, 128), k=st.sampled_from([64, 2048]), small_cap=st.booleans(), data=st.data())
+def test_split_rows_from_shared_memory_with_ties_of_every_size(cluster, extra, listed, distinct, k,
+                                                                small_cap, data):
+    """A split row whose chunks exceed the registers (read into shared memory): the k-th key's
+    pass-A bin holds 2-128 keys of 1..listed distinct values at random positions of every chunk:
+    listed at once (at most TIE_MAX: gathered into every CTA's list, ranked by key, then
+    position), else refined; keys past a small ``cap`` from global memory. Element for element
+    against the emulation."""
+    from vllm_sparse_sync.kernels.cuda_topk import launch_cuda_topk_cluster
+
+    n = 16384 * cluster + extra
+    need = data.draw(st.integers(1, min(listed - 1, k)), label="need")
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1), label="seed"))
+    x = -1.0 - torch.rand(n, generator=g)  # below every selected key
+    pos = torch.randperm(n, generator=g)
+    above = k - need
+    x[pos[:above]] = 100.0 + torch.arange(above, dtype=torch.float32)
+    values = 1.0 + torch.randint(0, min(distinct, listed), (listed,), generator=g).float() * 2**-20
+    x[pos[above:above + listed]] = values  # one pass-A bin (u >> 21): [1, 1.25)
+    cap = 8192 if small_cap else None
+    assert not emu.runs_solo(n, cluster, cap or n) and not emu.chunks_in_registers(n, cluster, cap or n)
+    plan = emu.plan_cluster_row(emu.order_keys(x), k)
+    assert (plan.passes == 0) == (listed <= emu.TIE_MAX) and plan.count <= listed
+    lens = torch.tensor([n], dtype=torch.int32)
+    xd = x[None].to(DEV)
+    out = torch.empty(1, k, dtype=torch.int32, device=DEV)
+    launch_cuda_topk_cluster(xd, xd.stride(0), lens.to(DEV), None, out, k, n, cluster=cluster, cap=cap)
+    assert torch.equal(out.cpu(), emu.topk_indices(x[None], lens, k)), (n, cluster, cap)
+
+
+@pytest.mark.parametrize("cluster", [2, 4])
+@pytest.mark.parametrize("exact", [True, False])
+def test_split_rows_from_shared_memory_at_every_level(cluster, exact):
+    """The split body from shared memory (chunks of more than 16384 keys) on rows for each of its
+    levels: a list after pass A and after one refine pass, indexer-like rows, one key value
+    after two passes (inner and edge keys); live lengths below a host width whose tail would
+    win if read, and rows that split into other chunks than the host width's. Element for
+    element against the emulation."""
+    g = torch.Generator().manual_seed(30 + cluster)
+    n = 16384 * cluster + 3000
+    edge = torch.cat([torch.full((100,), 2.0**-14 * (1 + 2**-6)), torch.full((n // 2,), 2.0**-14),
+                      torch.zeros(n - n // 2 - 100)])
+    listed = _listed_rows(n)
+    cases = [  # (live scores, k, refine passes, listed)
+        (listed[0], K, 0, True),
+        (listed[1], K, 1, True),
+        (torch.randn(n, generator=g) * 19 + 8.5, K, 1, None),
+        (torch.ones(n), K, 2, False),
+        (torch.full((n,), -0.0), K, 2, False),
+        (edge[torch.randperm(n, generator=g)], 150, 2, False),
+        (1.0 + torch.randperm(n, generator=g).float() * 2**-22, 100, 2, False),
+        (torch.randn(n - 2999, generator=g) * 19 + 8.5, K, None, None),  # other chunks than the width's
+    ]
+    for live, k, passes, is_listed in cases:
+        m = live.numel()
+        assert not emu.chunks_in_registers(m, cluster, m) and not emu.runs_solo(m, cluster, m)
+        plan = emu.plan_cluster_row(emu.order_keys(live), k)
+        assert passes is None or plan.passes == passes, (k, plan)
+        assert is_listed is None or plan.listed == is_listed, (k, plan)
+        width = m if exact else 131072
+        rows = torch.full((2, width), 1e30)  # a tail past the live length that would win
+        rows[:, :m] = live
+        rows[1, :m] = live.flip(0)
+        lens = torch.tensor([m, m], dtype=torch.int32)
+        got = _launch(rows.to(DEV), lens.to(DEV), torch.empty(2, k, dtype=torch.int32, device=DEV), k=k,
+                      route=cluster)
+        assert torch.equal(got.cpu(), emu.topk_indices(rows, lens, k)), (m, k, passes)
+
+
 def test_sixteen_ctas_split_only_rows_past_eight_ctas_worth(monkeypatch):
     """The 16-CTA cluster runs a row of at most ``WIDE_SPLIT_KEYS`` live keys on its first 8
     CTAs (the rest leave at once) and splits a longer one over all 16: rows of every side of that
