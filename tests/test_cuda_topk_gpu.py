@@ -216,6 +216,20 @@ def test_listed_bins_in_registers_rank_by_key_then_position(route, width):
     assert torch.equal(got.cpu(), emu.topk_indices(rows, lens, K))
 
 
+def _row_with_ties(n: int, k: int, need: int, listed: int, distinct: int, seed: int) -> torch.Tensor:
+    """n scores whose k-th largest lies among `listed` keys of 1..distinct values in [1, 1 +
+    2^-13), one pass-A bin on every route (64 per octave, or u >> 21), at random positions:
+    k - need keys above them, the rest below; `need` of them selected."""
+    g = torch.Generator().manual_seed(seed)
+    x = -1.0 - torch.rand(n, generator=g)  # below every selected key
+    pos = torch.randperm(n, generator=g)
+    above = k - need
+    x[pos[:above]] = 100.0 + torch.arange(above, dtype=torch.float32)
+    values = 1.0 + torch.randint(0, min(distinct, listed), (listed,), generator=g).float() * 2**-20
+    x[pos[above:above + listed]] = values
+    return x
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 # n leaves room for the k - need keys above the listed bin and its up to 128 keys at k = 2048
 @given(n=st.integers(2048 + 128, 16384), listed=st.integers(2, 128), distinct=st.integers(1, 128),
@@ -228,14 +242,7 @@ def test_one_cta_listed_bins_of_every_size_write_the_emulated_row(n, listed, dis
     from vllm_sparse_sync.kernels.cuda_topk import launch_cuda_topk_cluster
 
     need = data.draw(st.integers(1, min(listed - 1, k)), label="need")
-    seed = data.draw(st.integers(0, 2**31 - 1), label="seed")
-    g = torch.Generator().manual_seed(seed)
-    x = -1.0 - torch.rand(n, generator=g)  # below every selected key
-    pos = torch.randperm(n, generator=g)
-    above = k - need
-    x[pos[:above]] = 100.0 + torch.arange(above, dtype=torch.float32)
-    values = 1.0 + torch.randint(0, min(distinct, listed), (listed,), generator=g).float() * 2**-20
-    x[pos[above:above + listed]] = values  # one pass-A bin (64 per octave): [1, 1 + 2^-6)
+    x = _row_with_ties(n, k, need, listed, distinct, data.draw(st.integers(0, 2**31 - 1), label="seed"))
     plan = emu.plan_cluster_row(emu.order_keys(x), k, solo=True)
     assert (plan.listed, plan.count, plan.need, plan.passes) == (True, listed, need, 0)
     lens = torch.tensor([n], dtype=torch.int32)
@@ -265,13 +272,7 @@ def test_split_rows_from_shared_memory_with_ties_of_every_size(cluster, extra, l
 
     n = 16384 * cluster + extra
     need = data.draw(st.integers(1, min(listed - 1, k)), label="need")
-    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1), label="seed"))
-    x = -1.0 - torch.rand(n, generator=g)  # below every selected key
-    pos = torch.randperm(n, generator=g)
-    above = k - need
-    x[pos[:above]] = 100.0 + torch.arange(above, dtype=torch.float32)
-    values = 1.0 + torch.randint(0, min(distinct, listed), (listed,), generator=g).float() * 2**-20
-    x[pos[above:above + listed]] = values  # one pass-A bin (u >> 21): [1, 1.25)
+    x = _row_with_ties(n, k, need, listed, distinct, data.draw(st.integers(0, 2**31 - 1), label="seed"))
     cap = 8192 if small_cap else None
     assert not emu.runs_solo(n, cluster, cap or n) and not emu.chunks_in_registers(n, cluster, cap or n)
     plan = emu.plan_cluster_row(emu.order_keys(x), k)
