@@ -10,7 +10,8 @@ the end for a launch of T threads per CTA (default: the planner's for that width
 SHORT_ACT=256`` compiles a variant of the source (a macro it leaves open); ``--stops 99`` times
 the whole kernel only (one compile). ``--source A.cu --source ''`` times copies side by side on
 the same inputs: every source's and cut's graph of a case is replayed in turn, ``--rounds``
-rounds in rotated order (a source timed first reads faster at one 4K row), the median kept, and
+rounds in rotated order (a source timed first reads faster at one 4K row), the median kept;
+each source's shared memory is sized by its own layout of the pass counts (``source_plan``), and
 each source's whole kernel (stop 99) is checked to select what the first source's does
 (``output``: same or differs) and reported with its registers and spilled bytes (ptxas);
 ``--logits indexer --per-seed`` times benchmarks/indexer.py's
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import dataclasses
 import json
 import multiprocessing
 import os
@@ -110,6 +112,41 @@ def cut_source(stop: int, defines: tuple[str, ...] = (), base: str | None = None
 
 
 CASE = re.compile(r"(\d+):(\d+)x(\d+)(?:/(\d+))?(?:@(\d+))?")
+WORDS = re.compile(r"constexpr int words = C == 1 \? ([^:;]+) : ([^;]+);")
+
+
+def source_pass_words(text: str) -> tuple[int, int]:
+    """The words of pass counts a copy of cuda_topk.cu lays out before its keys, with one CTA
+    and with more (``topk_cluster_row``'s ``words``, from the copy's own #defines): an
+    experiment copy may lay out more than the library's host sizes shared memory for."""
+    m = WORDS.search(text)
+    if m is None:
+        raise ValueError("the source has no `constexpr int words = C == 1 ? ... : ...;` (topk_cluster_row)")
+    defines = dict(re.findall(r"#define ([A-Z_][A-Z0-9_]*) (\([0-9 +*]+\))", text))
+
+    def value(expr: str) -> int:
+        def name(n: re.Match) -> str:
+            if n[0] not in defines:
+                raise ValueError(f"words: {n[0]} is not a #define of digits, + and * in the source")
+            return defines[n[0]]
+
+        digits = re.sub(r"[A-Z_][A-Z0-9_]*", name, expr.strip())
+        if not re.fullmatch(r"[0-9 +*()]+", digits):
+            raise ValueError(f"words: cannot evaluate {expr!r}")
+        return int(eval(digits))  # noqa: S307 (digits, +, * and parentheses only)
+
+    return value(m[1]), value(m[2])
+
+
+def source_plan(plan, cluster: int, text: str, smem_optin: int):
+    """``plan`` with the shared memory a copy of the source needs for it (the same keys per CTA
+    and threads); ValueError where that exceeds what a CTA may have."""
+    solo, multi = source_pass_words(text)
+    words = (solo if cluster == 1 else multi) + plan.cap + cuda_topk.RANGE_PAD * plan.threads
+    if 4 * words > smem_optin:
+        raise ValueError(f"the source needs {4 * words} bytes of shared memory for C={cluster} with "
+                         f"{plan.cap} keys a CTA; a CTA may have {smem_optin}")
+    return dataclasses.replace(plan, smem=4 * words)
 
 
 def parse_cases(text: str, sm_count: int, smem_optin: int) -> list[tuple]:
@@ -230,6 +267,12 @@ def main() -> None:
     fake = types.SimpleNamespace(driver=driver, ctx=mod.ctx)
     major, minor = torch.cuda.get_device_capability()
     cases = parse_cases(a.cases, mod.sm_count, mod.smem_optin)
+    for C, B, L, _, plan in cases:  # every copy's layout fits before anything compiles
+        for src in sources:
+            try:
+                source_plan(plan, C, bases.get(src) or cuda_topk.source(), mod.smem_optin)
+            except ValueError as e:
+                ap.error(f"--source {src or 'library'}, case {C}:{B}x{L}: {e}")
     keep = {(c[0], c[4].threads) for c in cases}
     jobs = [(src, stop) for src in sources for stop in stops]
     texts = [cut_source(stop, tuple(a.define), bases.get(src), keep) for src, stop in jobs]
@@ -255,12 +298,13 @@ def main() -> None:
         groups = [[i] for i in range(len(seeds))] if a.per_seed else [list(range(len(seeds)))]
         for group in groups:
             inputs = [xs[i] for i in group]
-            named, fns = {}, {}
+            named, fns, plans = {}, {}, {}
             for src in sources:  # the sources side by side on the same inputs, timed in turn
+                plans[src] = source_plan(plan, C, bases.get(src) or cuda_topk.source(), mod.smem_optin)
                 for stop in stops:
-                    fn = cuda_topk.load_cluster_function(driver, modules[(src, stop)], name, plan.smem)
+                    fn = cuda_topk.load_cluster_function(driver, modules[(src, stop)], name, plans[src].smem)
                     fns[(src, stop)] = fn
-                    named[(src, stop)] = cut_calls(fake, fn, plan, C, inputs, lens, out, a.ncalls)
+                    named[(src, stop)] = cut_calls(fake, fn, plans[src], C, inputs, lens, out, a.ncalls)
             times = interleaved_replay_us(named, a.rounds)
             first = None
             for src in sources:
@@ -273,7 +317,7 @@ def main() -> None:
                 if used is not None:
                     res["registers"], res["spill_bytes"] = used
                 if 99 in stops:  # the whole kernel's selection, against the first source's
-                    cut_calls(fake, fns[(src, 99)], plan, C, inputs[:1], lens, out, 1)[0]()
+                    cut_calls(fake, fns[(src, 99)], plans[src], C, inputs[:1], lens, out, 1)[0]()
                     got = out.clone()
                     first = got if first is None else first
                     res["output"] = "same" if same_sets(got, first) else "differs"

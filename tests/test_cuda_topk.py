@@ -462,6 +462,33 @@ def _phases_tool():
     return _bench_tool("cuda_topk_phases")
 
 
+def test_the_phase_tool_sizes_each_source_by_its_own_layout():
+    """benchmarks/cuda_topk_phases.py: a copy of the source is launched with the shared memory its
+    own pass counts take (run 197's copy laid out more than the library's host sized for and read
+    past its allocation); the library's source gets the planner's sizes; a copy that cannot fit
+    or whose layout cannot be read is refused."""
+    ph = _phases_tool()
+    lib = cuda_topk.source()
+    assert ph.source_pass_words(lib) == (cuda_topk.SOLO_PASS_WORDS, 2 * cuda_topk.CLUSTER_PASS_WORDS)
+    for rows, width, threads in [(1, 4096, None), (64, 65536, None), (1, 131072, None), (16, 131072, 512)]:
+        plan = cuda_topk.plan_cluster(rows, width, 132, H200_SMEM, threads=threads)
+        assert ph.source_plan(plan, plan.cluster, lib, H200_SMEM) == plan
+    words = "constexpr int words = C == 1 ? SOLO_WORDS : 2 * PASS_WORDS;"
+    assert lib.count(words) == 1
+    bigger = lib.replace(words, "constexpr int words = C == 1 ? SOLO_WORDS : SPLIT_WORDS;").replace(
+        "#define SOLO_WORDS", "#define SPLIT_WORDS (2 * 4096 + 4 * 2048 + 256)\n#define SOLO_WORDS")
+    assert ph.source_pass_words(bigger) == (cuda_topk.SOLO_PASS_WORDS, 16640)
+    plan = cuda_topk.plan_cluster(64, 65536, 132, H200_SMEM)
+    assert (plan.cluster, plan.cap) == (2, 32768)
+    assert ph.source_plan(plan, 2, bigger, H200_SMEM).smem == 4 * (16640 + 32768 + 4 * 1024) > plan.smem
+    with pytest.raises(ValueError, match="bytes of shared memory"):
+        ph.source_plan(cuda_topk.plan_cluster(64, 131072, 132, H200_SMEM), 2, bigger, H200_SMEM)
+    with pytest.raises(ValueError, match="no `constexpr int words"):
+        ph.source_pass_words(lib.replace(words, ""))
+    with pytest.raises(ValueError, match="UNKNOWN_WORDS is not a #define"):
+        ph.source_pass_words(lib.replace(words, "constexpr int words = C == 1 ? UNKNOWN_WORDS : 8;"))
+
+
 def test_phase_cuts_anchor_in_the_library_source():
     """benchmarks/cuda_topk_phases.py: every cut finds its place in cuda_topk.cu (a refactor that
     moves one fails here, not on the GPU host), and keeping one kernel drops every other one."""
