@@ -313,14 +313,7 @@ def test_split_rows_from_shared_memory_at_every_level(cluster, exact):
         plan = emu.plan_cluster_row(emu.order_keys(live), k)
         assert passes is None or plan.passes == passes, (k, plan)
         assert is_listed is None or plan.listed == is_listed, (k, plan)
-        width = m if exact else 131072
-        rows = torch.full((2, width), 1e30)  # a tail past the live length that would win
-        rows[:, :m] = live
-        rows[1, :m] = live.flip(0)
-        lens = torch.tensor([m, m], dtype=torch.int32)
-        got = _launch(rows.to(DEV), lens.to(DEV), torch.empty(2, k, dtype=torch.int32, device=DEV), k=k,
-                      route=cluster)
-        assert torch.equal(got.cpu(), emu.topk_indices(rows, lens, k)), (m, k, passes)
+        _assert_row_and_mirror(live, k, cluster, m if exact else 131072)
 
 
 def test_sixteen_ctas_split_only_rows_past_eight_ctas_worth(monkeypatch):
@@ -381,6 +374,19 @@ def test_chunks_in_registers_write_the_emulated_row(cluster, exact):
     assert torch.equal(got.cpu(), emu.topk_indices(rows, lens, K))
 
 
+def _assert_row_and_mirror(live: torch.Tensor, k: int, route, width: int) -> None:
+    """The live scores and their mirror as two rows of ``width`` whose tails past the live length
+    would win if read: ``route``'s output equals the emulation's, element for element."""
+    n = live.numel()
+    rows = torch.full((2, width), 1e30)
+    rows[:, :n] = live
+    rows[1, :n] = live.flip(0)
+    lens = torch.tensor([n, n], dtype=torch.int32)
+    out = torch.empty(2, k, dtype=torch.int32, device=DEV)
+    got = _launch(rows.to(DEV), lens.to(DEV), out, k=k, route=route)
+    assert torch.equal(got.cpu(), emu.topk_indices(rows, lens, k)), (n, k, route, width)
+
+
 @pytest.mark.parametrize("route,exact", [(1, False), (8, False), (1, True)])
 def test_one_cta_levels_write_the_emulated_row(route, exact):
     """The one-CTA code (the C = 1 kernel, which reads a row's first keys beside its live length,
@@ -404,16 +410,8 @@ def test_one_cta_levels_write_the_emulated_row(route, exact):
     for live, k, passes in cases:
         plan = emu.plan_cluster_row(emu.order_keys(live), k, solo=True)
         assert passes is None or plan.passes == passes
-        n = live.numel()
         # a cluster's chunks of the 128K bound hold a 16K row: it runs on the first CTA
-        width = n if exact else 131072
-        rows = torch.full((2, width), 1e30)  # a tail past the live length that would win
-        rows[:, :n] = live
-        rows[1, :n] = live.flip(0)
-        lens = torch.tensor([n, n], dtype=torch.int32)
-        got = _launch(rows.to(DEV), lens.to(DEV), torch.empty(2, k, dtype=torch.int32, device=DEV), k=k,
-                      route=route)
-        assert torch.equal(got.cpu(), emu.topk_indices(rows, lens, k)), (n, k, passes)
+        _assert_row_and_mirror(live, k, route, live.numel() if exact else 131072)
 
 
 @pytest.mark.parametrize("route", ["cta", 8, "auto"])
