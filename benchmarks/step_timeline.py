@@ -110,9 +110,11 @@ __device__ __forceinline__ void vss_end() {{
 EDITS = (
     ('    asm volatile("griddepcontrol.wait;" ::: "memory");\n',
      '    asm volatile("griddepcontrol.wait;" ::: "memory");\n    vss_released();\n'),
-    ("topk_cluster_row<C, T, (A) != 0>(", "vss_entry(); topk_cluster_row<C, T, (A) != 0>("),
-    # (a source from before the lens_early parameter too)
-    (re.compile(r"(sel_width, k, out, stride_o, nan_low, cap(?:, lens_early)?\);)"), r"\1 vss_end();"),
+    (re.compile(r"(topk_cluster_row<C, T, \(A\) != 0(?:, SLOTS)?>\()"), r"vss_entry(); \1"),
+    # (a source from before the lens_early or the page-table parameters too)
+    (re.compile(r"(sel_width, k, out, stride_o, nan_low, cap(?:, lens_early)?"
+                r"(?:,[\s\\]*lens_early, page_table, page_stride, page_bits,[\s\\]*pages"
+                r"|,[\s\\]*page_table, page_stride, page_bits, pages)?\);)"), r"\1 vss_end();"),
     ("#define FULL_MASK", PRELUDE + "#define FULL_MASK"),
 )
 
@@ -305,7 +307,7 @@ def main() -> None:
         for name, path, macros in variants:
             scorer_macros = macros
             for kind in ("plain", "stamped"):
-                cuda_topk._MODULES[index] = topk_modules[(path, kind)]
+                cuda_topk._MODULES[(index, False)] = topk_modules[(path, kind)]
                 for part in ("step", "topk"):
                     call = parts[part]
                     calls = [(lambda i=i, call=call: call(i)) for i in range(ncalls)]
@@ -348,7 +350,7 @@ def main() -> None:
                     print("    " + ", ".join(f"{label} {cyc / row['mhz']:.2f}"
                                              for label, cyc in row["phase_cycles"].items()), flush=True)
         del graphs
-    cuda_topk._MODULES.pop(index, None)
+    cuda_topk._MODULES.pop((index, False), None)
     cuda_scorer.module_for = library_scorer
     if a.json:
         with open(a.json, "w") as fh:

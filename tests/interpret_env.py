@@ -24,6 +24,7 @@ KERNEL_MODULES = [
     "vllm_sparse_sync.kernels.triton_topk_sample",
     "vllm_sparse_sync.kernels.triton_fused",
     "vllm_sparse_sync.kernels.triton_dcp_merge",
+    "vllm_sparse_sync.kernels.triton_slots",
     "vllm_sparse_sync.kernels.triton_ops",
 ]
 if not CUDA:

@@ -406,7 +406,7 @@ def test_kernel_source_compiles_for_sm90(output):
                 assert f".entry {cuda_topk.kernel_name(threads, vec, aligned)}" in text
         for cluster in cuda_topk.CLUSTER_SIZES:
             for aligned, threads in itertools.product((True, False), cuda_topk.CLUSTER_THREADS):
-                assert f".entry {cuda_topk.cluster_kernel_name(cluster, aligned, threads)}" in text
+                assert f".entry {cuda_topk.cluster_kernel_name(cluster, aligned, threads)}(" in text
                 assert ".reqnctapercluster" in text  # compiled cluster dims: a plain launch clusters
         for per in cuda_dcp_merge.KEYS_PER_THREAD:  # the DCP merge, in the same module
             assert f".entry dcp_merge_p{per}(" in text
@@ -425,13 +425,39 @@ def test_kernel_source_compiles_for_sm90(output):
         # and read once after them)
         for name, line in zip(names, spills):
             stores, loads = (int(v) for v in re.findall(r"(\d+) bytes spill (?:stores|loads)", line))
-            unaligned = re.fullmatch(r"topk_cluster_c[248]_t\d+_a0|_Z14split_smem_row\w*Lb0E\w*", name)
+            unaligned = re.fullmatch(r"topk_cluster_c[248]_t\d+_a0(_slots)?"
+                                     r"|_Z14split_smem_rowILi\d+ELi\d+ELb0E\w*", name)
             allowed = 8 if unaligned else 0
             assert stores <= allowed and loads <= allowed, (name, line)
         # a cluster kernel's static shared memory within what the host leaves beside a plan's
         static = re.findall(r"Function properties for (topk_cluster_\w+)\n.*\n.*?(\d+) bytes smem", log)
         assert len(static) == 2 * clusters, log
         assert max(int(b) for _, b in static) <= cuda_topk.STATIC_SMEM_RESERVE, static
+        assert "_slots" not in log  # (the slots entries: their own module)
+
+
+@pytest.mark.skipif(not NVRTC_OK, reason=f"NVRTC unavailable: {NVRTC_WHY}")
+def test_the_slots_module_holds_every_cluster_kernels_slots_entry_and_nothing_else():
+    options = (*cuda_topk.SLOTS_OPTIONS, "--ptxas-options=-v")
+    code, log = cuda_topk.compile_source("sm_90", extra_options=options)
+    assert len(code) > 1000
+    names = re.findall(r"Function properties for (\w+)", log)
+    entries = sorted(n for n in names if not n.startswith("_Z"))
+    want = sorted(cuda_topk.cluster_kernel_name(c, a, t, slots=True) for c in cuda_topk.CLUSTER_SIZES
+                  for a in (True, False) for t in cuda_topk.CLUSTER_THREADS)
+    assert entries == want, entries
+    spills = [ln for ln in log.splitlines() if "spill" in ln]
+    assert len(spills) == len(names)
+    for name, line in zip(names, spills):  # as the library's: a word at most in an unaligned entry
+        stores, loads = (int(v) for v in re.findall(r"(\d+) bytes spill (?:stores|loads)", line))
+        unaligned = re.fullmatch(r"topk_cluster_c[248]_t\d+_a0_slots|_Z14split_smem_rowILi\d+ELi\d+ELb0E\w*",
+                                 name)
+        allowed = 8 if unaligned else 0
+        assert stores <= allowed and loads <= allowed, (name, line)
+    regs = [int(r) for r in re.findall(r"Used (\d+) registers", log)]
+    assert regs and max(regs) <= 64, regs
+    static = re.findall(r"Function properties for (topk_cluster_\w+)\n.*\n.*?(\d+) bytes smem", log)
+    assert len(static) == len(want) and max(int(b) for _, b in static) <= cuda_topk.STATIC_SMEM_RESERVE
 
 
 def test_status_says_why_without_a_device():
@@ -611,11 +637,15 @@ def test_step_timeline_stamps_every_cluster_kernel_once():
     text = st.stamped_source(cuda_topk.source())
     assert text.count("vss_released();") == 1  # the one call (the prelude defines it)
     assert 'griddepcontrol.wait;" ::: "memory");\n    vss_released();' in text
-    macro = text[text.index("#define TOPK_CLUSTER_KERNEL"):]
+    macro = text[text.index("#define TOPK_CLUSTER_ENTRY"):]
     macro = macro[:macro.index("TOPK_CLUSTER_KERNEL(1, 1024, 1)")]
     assert macro.index("vss_entry();") < macro.index("topk_cluster_row<") < macro.index("vss_end();")
-    # a source from before the kernels' lens_early parameter (a --source variant) is stamped too
-    older = cuda_topk.source().replace("cap, lens_early);", "cap);")
+    assert "pages); vss_end();" in macro
+    # sources from before the kernels' page-table and lens_early parameters (--source variants) too
+    before_pages, n = re.subn(r"cap,[\s\\]*lens_early, page_table, page_stride, page_bits,[\s\\]*pages\);",
+                              "cap, lens_early);", cuda_topk.source())
+    assert n == 1 and "lens_early); vss_end();" in st.stamped_source(before_pages)
+    older = before_pages.replace("cap, lens_early);", "cap);")
     assert "nan_low, cap); vss_end();" in st.stamped_source(older)
     with pytest.raises(ValueError, match="anchor not once"):
         st.stamped_source(cuda_topk.source().replace("griddepcontrol.wait;", "griddepcontrol.wait ;"))

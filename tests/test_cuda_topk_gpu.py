@@ -512,3 +512,38 @@ def test_the_step_reads_lengths_written_just_before_it():
     torch.cuda.synchronize()
     assert case.row_lens.tolist() == [new] * len(lens)
     assert torch.equal(got, want)
+
+
+def _page_table(rows: int, pages: int, seed: int) -> torch.Tensor:
+    """Distinct physical pages per row, on the device."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.stack([torch.randperm(2 * pages + 5, generator=g)[:pages] for _ in range(rows)]).to(
+        device=DEV, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("route,cap", [(1, None), (2, None), (4, None), (8, None), (16, None), ("auto", None),
+                                       (1, 1000), (4, 1000)])
+def test_the_cluster_top_k_writes_kv_cache_slots_in_the_same_launch(route, cap):
+    # every body (registers, shared memory, keys past cap from global, a split row, a short row)
+    # writes each position's slot where a page table is given: the same row, mapped
+    from vllm_sparse_sync.kernels.cuda_topk import launch_cuda_topk_cluster
+
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("the cluster route needs sm_90+")
+    g = torch.Generator(device=DEV).manual_seed(21)
+    lens = [0, 1, 100, K - 1, K, K + 1, 5000, 12000, 40000, 65536, 131072, 70001]
+    x = torch.randn(len(lens), 131072, device=DEV, generator=g)
+    row_lens = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    for active in (None, torch.tensor([60000], dtype=torch.int32, device=DEV)):
+        pos = _launch(x, row_lens, torch.empty(len(lens), K, dtype=torch.int32, device=DEV), active,
+                      route=route, cap=cap)
+        assert torch.equal(_sets(pos), _sets(ref.topk_indices(x, row_lens, K, active_width=active)))
+        for page_size, pages in ((64, 2048), (16, 8192), (1, 131072), (64, 700)):  # 700: rows past it
+            table = _page_table(len(lens), pages, seed=page_size + pages)
+            got = torch.full_like(pos, -7)
+            launch_cuda_topk_cluster(x, x.stride(0), row_lens, active, got, K, x.shape[1],
+                                     cluster=None if route == "auto" else route, cap=cap, page_table=table,
+                                     page_bits=page_size.bit_length() - 1)
+            want = ref.page_table_slots(pos, table, page_size)
+            assert torch.equal(got, want), (page_size, pages, active)
+            assert (want >= 0).sum() > 0

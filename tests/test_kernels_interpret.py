@@ -479,3 +479,69 @@ def test_only_the_steps_top_k_reads_the_lengths_before_its_wait(monkeypatch):
         real(route, logits, case.row_lens, None, SimpleNamespace(config=config), out, 16, 320, nan_low=False,
              after_scorer=after)
     assert asked == [True, False, False]
+
+
+def _slot_table(rows: int, pages: int, seed: int) -> torch.Tensor:
+    """Distinct physical pages per row (the attention's own table, not the indexer's)."""
+    g = torch.Generator().manual_seed(seed)
+    perms = [torch.randperm(4 * pages + 7, generator=g)[:pages] for _ in range(rows)]
+    return torch.stack(perms).to(torch.int32)
+
+
+@pytest.mark.parametrize("algo", ["radix", "sample", "fused"])
+def test_indexer_topk_writes_kv_cache_slots_on_every_triton_route(algo):
+    # the Triton routes write positions, then one transform launch turns them into slots in place
+    k = 32
+    lens = [0, 31, 32, 64, 150, 257]
+    case = make_case(lens, heads=32, table_pages=6, seed=9)
+    width = 6 * 64
+    cfg = FUSED if algo == "fused" else ALGOS[algo]
+    ws = IndexerTopkWorkspace(len(lens), k, width, "cpu", num_sms=5 if algo != "fused" else 16, config=cfg)
+    assert ws.route(len(lens), width, 64).fused == (algo == "fused")
+    positions = tk.indexer_topk(*case.args, k, width=width, workspace=ws)
+    for page_size, pages in ((64, 6), (16, 24), (64, 3), (1, 300)):  # (64, 3), (1, 300): rows past it
+        table = _slot_table(len(lens), pages, seed=page_size + pages)
+        got = tk.indexer_topk(*case.args, k, width=width, workspace=ws, page_table=table, page_size=page_size)
+        assert torch.equal(got, ref.page_table_slots(positions, table, page_size)), (page_size, pages)
+        assert (got >= 0).sum() == (ref.page_table_slots(positions, table, page_size) >= 0).sum()
+    _assert_reset(ws)
+
+
+@pytest.mark.parametrize("algo", list(ALGOS))
+def test_topk_indices_writes_kv_cache_slots(algo):
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(3, 300, generator=g)
+    lens = torch.tensor([300, 10, 170], dtype=torch.int32)
+    ws = IndexerTopkWorkspace(3, 16, 0, "cpu", num_sms=4, config=ALGOS[algo])
+    table = _slot_table(3, 10, seed=12)
+    got = tk.topk_indices(x, lens, 16, workspace=ws, page_table=table, page_size=32)
+    assert torch.equal(got, ref.page_table_slots(tk.topk_indices(x, lens, 16, workspace=ws), table, 32))
+
+
+def test_the_transform_kernel_matches_the_reference_past_one_block():
+    from vllm_sparse_sync.kernels.triton_slots import SLOTS_BLOCK, launch_page_slots
+
+    g = torch.Generator().manual_seed(13)
+    k = SLOTS_BLOCK + 77  # two programs a row, the second partly masked
+    idx = torch.randint(-1, 8000, (2, k), generator=g, dtype=torch.int32)
+    table = _slot_table(2, 40, seed=14)  # positions from page 40 on are past the table
+    out = idx.clone()
+    launch_page_slots(out, table, 7)
+    assert torch.equal(out, ref.page_table_slots(idx, table, 128))
+    assert (out == -1).sum() > (idx == -1).sum()  # some positions fell past the table
+
+
+def test_the_public_transform_takes_the_triton_kernel_where_tensors_are_on_cuda(monkeypatch):
+    # kernels.page_table_slots' device branch (checks, a contiguous copy, the launch), run here by
+    # the interpreter on CPU tensors; the input is left as it was
+    from vllm_sparse_sync.kernels import dispatch
+
+    monkeypatch.setattr(dispatch, "_uses_triton", lambda t: True)
+    g = torch.Generator().manual_seed(15)
+    idx = torch.randint(-1, 900, (3, 40), generator=g, dtype=torch.int32).t().contiguous().t()  # strided
+    table = _slot_table(3, 12, seed=16)
+    before = idx.clone()
+    got = dispatch.page_table_slots(idx, table, 64)
+    assert torch.equal(got, ref.page_table_slots(before, table, 64)) and torch.equal(idx, before)
+    with pytest.raises(ValueError, match="page_size"):
+        dispatch.page_table_slots(idx, table, 48)

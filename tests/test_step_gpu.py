@@ -189,3 +189,56 @@ print("NOT CAUGHT")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and "NOT CAUGHT" not in proc.stdout, proc.stdout + proc.stderr
     assert "assert" in proc.stderr.lower()
+
+
+@pytest.mark.parametrize("rows,max_len,dotted,taken", [
+    (64, 16384, {}, "cluster"),  # the scorer, then the cluster top-k writing slots itself
+    (2, 8192, {"topk.cuda_cluster": False}, "fused"),  # the fused Triton step, then the transform
+    (40, 4096, {"topk.cuda_cluster": False, "topk.algo": "radix"}, "radix"),  # Triton's radix, then it
+])
+def test_the_step_writes_kv_cache_slots_captured_and_without_a_sync(rows, max_len, dotted, taken):
+    from vllm_sparse_sync.kernels.config import DEFAULT_CONFIG
+
+    k = 2048
+    layout = IndexerLayout(backend="b12x", topk=k, max_model_len=max_len)
+    pages = max_len // 64
+    builder = IndexerMetadataBuilder(layout, max_num_reqs=rows, max_num_tokens=rows, max_pages_per_req=pages,
+                                     device=DEV)
+    step = IndexerStep.for_builder(builder, config=DEFAULT_CONFIG.with_values(**dotted))
+    route = step.route(rows)
+    if taken == "cluster" and not route.topk_cluster:
+        pytest.skip("the cluster top-k needs sm_90+ and cuda-bindings")
+    assert {"cluster": bool(route.topk_cluster), "fused": route.fused, "radix": route.kind == "radix"}[taken]
+    case = make_case([max_len] * rows, heads=64, table_pages=pages, device=DEV, seed=7)
+    q = torch.randn(rows, 64, 128, device=DEV).to(torch.float8_e4m3fn)
+    w = torch.randn(rows, 64, device=DEV)
+    qsl = torch.arange(rows + 1, dtype=torch.int32)
+    seq = torch.randint(1, max_len + 1, (rows,), dtype=torch.int32, device=DEV)
+    shadow = SeqLenShadow(seq.cpu())
+    attn_table = (case.block_table.flip(1) * 3 + 11).contiguous()  # the attention's own pages
+    qsl_dev = qsl.to(DEV)
+
+    def batch():
+        return DecodeBatch(qsl_dev, qsl, seq, shadow, case.block_table, max_len)
+
+    meta = builder.build(batch())
+    pos = step.run(meta, q, w, case.k_cache)
+    out = torch.empty_like(pos)
+    step.run(meta, q, w, case.k_cache, out=out, slots=attn_table)  # warm every kernel
+    assert torch.equal(out, ref.page_table_slots(pos, attn_table, 64))
+    own = step.run(meta, q, w, case.k_cache, slots=True)
+    assert torch.equal(own, ref.page_table_slots(pos, meta.block_table, 64))
+    watch = device_tensors(builder, step.workspace, seq, case.block_table, q, w, case.k_cache, out,
+                           attn_table)
+    check = check_step(lambda: step.run(builder.build(batch()), q, w, case.k_cache, out=out,
+                                        slots=attn_table), watch=watch, warmup=1)
+    assert check.records == [] and check.touched
+    graph = decode_graph(lambda: step.run(meta, q, w, case.k_cache, out=out, slots=attn_table), inputs=[q, w])
+    new = torch.randint(1, max_len + 1, (rows,), dtype=torch.int32)
+    seq.copy_(new)
+    shadow.seq_lens_cpu.copy_(new)
+    live = builder.build(batch())
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, ref.page_table_slots(step.run(live, q, w, case.k_cache), attn_table, 64))
+    assert step.health().ok

@@ -87,9 +87,15 @@ class IndexerStep:
 
     # -------------------------------------------------------------------------- run
     def run(self, meta: IndexerDecodeMetadata, q_fp8: torch.Tensor, weights: torch.Tensor,
-            k_cache: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+            k_cache: torch.Tensor, *, out: torch.Tensor | None = None,
+            slots: bool | torch.Tensor = False) -> torch.Tensor:
         """Top-``k`` positions of each decode row, ``int32 [meta.num_rows, k]`` (a set per row,
-        ``-1`` padded). Sync-free; capturable once each row count has run eagerly."""
+        ``-1`` padded). Sync-free; capturable once each row count has run eagerly.
+
+        ``slots``: the output holds KV-cache slots instead (``kernels.page_table_slots``, the
+        index sparse attention reads), through ``meta.block_table`` (``True``) or the given int32
+        ``[rows, pages]`` table of the layout's page size (the attention's own); on the CUDA
+        cluster top-k in the same launch."""
         if not isinstance(meta, IndexerDecodeMetadata):
             raise TypeError(f"meta: must be IndexerDecodeMetadata (from the builder), got "
                             f"{type(meta).__name__}")
@@ -99,9 +105,19 @@ class IndexerStep:
         if meta.num_rows > self.max_rows:
             raise ValueError(f"meta: {meta.num_rows} rows exceed the step's max_rows={self.max_rows}")
         active, width = self.contract(meta)
+        if slots is not False and self.layout.dcp_world_size > 1:
+            raise ValueError("slots: a DCP rank's positions are rank-local and meet the other ranks' in "
+                             "the global merge first; map the merged ids with kernels.page_table_slots")
+        if isinstance(slots, bool):
+            table = meta.block_table if slots else None
+        elif isinstance(slots, torch.Tensor):
+            table = slots
+        else:
+            raise TypeError(f"slots: must be a bool or an int32 page table, got {type(slots).__name__}")
         return kernels.indexer_topk(q_fp8, weights, k_cache, meta.block_table, meta.row_lens,
                                     self.layout.topk, active_width=active, width=width,
-                                    workspace=self.workspace, out=out)
+                                    workspace=self.workspace, out=out, page_table=table,
+                                    page_size=self.layout.page_size)
 
     def health(self) -> StepHealth:
         """Stalled rows since the last call (reads device memory: a host sync; call it outside

@@ -4,6 +4,7 @@ from .config import DEFAULT_CONFIG, FusedConfig, KernelConfig, ScorerConfig, Top
 from .dispatch import (
     indexer_topk,
     make_workspace,
+    page_table_slots,
     paged_indexer_logits,
     topk_indices,
     write_index_k_cache,
@@ -22,6 +23,7 @@ __all__ = [
     "plan_route",
     "indexer_topk",
     "make_workspace",
+    "page_table_slots",
     "paged_indexer_logits",
     "quantize_index_k",
     "topk_indices",

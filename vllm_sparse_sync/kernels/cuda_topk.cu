@@ -27,6 +27,9 @@ typedef unsigned int u32;
 typedef long long i64;
 
 #define FULL_MASK 0xffffffffu
+#ifndef TOPK_SLOTS_MODULE
+#define TOPK_SLOTS_MODULE 0  // 1: the module of the cluster kernels' slots entries (kernels/cuda_topk.py)
+#endif
 
 __device__ __forceinline__ u32 order_key(float x, int nan_low) {
     u32 b = __float_as_uint(x);
@@ -384,6 +387,7 @@ __device__ __forceinline__ void topk_row(const float* __restrict__ logits, i64 s
                                  out, stride_o, nan_low, cap);                                    \
     }
 
+#if !TOPK_SLOTS_MODULE  // (the slots module: the cluster kernels' slots entries only)
 TOPK_KERNEL(1024, 4, 1)
 TOPK_KERNEL(1024, 4, 0)
 TOPK_KERNEL(1024, 2, 1)
@@ -392,6 +396,7 @@ TOPK_KERNEL(512, 4, 1)
 TOPK_KERNEL(512, 4, 0)
 TOPK_KERNEL(512, 8, 1)
 TOPK_KERNEL(512, 8, 0)
+#endif
 
 // ---------------------------------------------------------------------------------------------
 // DCP merge (any arch): one CTA of 1024 threads per row merges the world * k_local gathered
@@ -529,11 +534,13 @@ __device__ __forceinline__ void dcp_merge_row(const i64* __restrict__ keys, i64 
                          stride_o);                                                                \
     }
 
+#if !TOPK_SLOTS_MODULE
 DCP_MERGE_KERNEL(1)
 DCP_MERGE_KERNEL(2)
 DCP_MERGE_KERNEL(4)
 DCP_MERGE_KERNEL(8)
 DCP_MERGE_KERNEL(16)
+#endif
 
 // ---------------------------------------------------------------------------------------------
 // Cluster route (sm_90+): C CTAs of one thread-block cluster share a row. The same selection
@@ -569,6 +576,11 @@ DCP_MERGE_KERNEL(16)
 //            ranks a listed bin by (key, position). Each selected key of the range goes to
 //            ra + tb (A keys and selected T keys before it): the ascending order of topk_row.
 //            No remote access follows the exchange's barrier.
+//   slots    with a page table (page_table != nullptr: int32 rows of `pages` pages of 2^page_bits
+//            slots) each selected position p is written as its KV-cache slot,
+//            table[row][p >> page_bits] << page_bits | (p's offset in its page), or -1 where its
+//            page is past the table: the top-k and the page-table transform in one launch
+//            (reference.page_table_slots). Padding stays -1.
 //
 // Dynamic shared memory (words): the local counts of the three passes hist[2048], hist1[2048],
 // hist2[1024] (all cleared at the start; one CTA: hist[4096], hist1[2048], hist2[2048], and a
@@ -827,13 +839,34 @@ struct BodyScratch {
     u32 tn;
     u32 rng[2][16];  // cl_find_bin's local range counts of the refine passes (cleared at the start)
     u32 part[2][16];  // and the cluster's
+    // a slots kernel's page table: the row's (two words: the struct keeps 4-byte alignment, so a
+    // positions kernel's code, which never reads these, is the one without them), log2 of the page
+    // size, the table's width in pages
+    u32 page_row[2];
+    int page_bits, pages;
 };
+
+// the KV-cache slot of row position p >= 0 through the row's page table t of `pages` pages of
+// 2^bits slots: t[p >> bits] << bits | p's offset in its page; -1 past the table
+__device__ __forceinline__ int page_slot(const int* t, int bits, int pages, int p) {
+    const int g = p >> bits;
+    return g < pages ? (__ldg(t + g) << bits) | (p & ((1 << bits) - 1)) : -1;
+}
+
+// what the output holds for row position p >= 0: p itself, or (SLOTS: a kernel given a page
+// table) its slot; a positions kernel's code has no trace of the table
+template <bool SLOTS>
+__device__ __forceinline__ int out_index(const BodyScratch& sc, int p) {
+    if (!SLOTS) return p;
+    const int* t = reinterpret_cast<const int*>(((unsigned long long)sc.page_row[1] << 32) | sc.page_row[0]);
+    return page_slot(t, sc.page_bits, sc.pages, p);
+}
 
 // one row (`logits` at its first score) of n > k live keys, on this CTA (`rank` of C) of a
 // cluster whose dynamic shared memory is cleared (hist..hist2, and glob0..glob2 for C > 1);
 // C == 1 also serves a short row on rank 0 of a larger cluster (whose allocation is larger).
 // PRE: `first` holds the raw bits of the thread's first-sweep groups below min(n, cap) (C == 1).
-template <int C, int THREADS, bool ALIGNED, bool PRE>
+template <int C, int THREADS, bool ALIGNED, bool PRE, bool SLOTS>
 __device__ __forceinline__ void topk_cluster_body(const float* __restrict__ logits, int n, int k,
                                                   int* __restrict__ o, int nan_low, int cap, u32 rank,
                                                   const FirstKeys& first, BodyScratch& sc) {
@@ -1059,13 +1092,13 @@ __device__ __forceinline__ void topk_cluster_body(const float* __restrict__ logi
     auto put = [&](int p, bool is_a) {
         if (is_a) {
             const u32 d = ra + tb;
-            if (d < (u32)k) o[d] = lo + p;  // always true; guards a broken invariant
+            if (d < (u32)k) o[d] = out_index<SLOTS>(sc, lo + p);  // always true; guards a broken invariant
             ++ra;
         } else {
             const bool taken = listed ? (rt < (u32)TIE && s_taken[rt] != 0u) : rt < need;
             if (taken) {
                 const u32 d = ra + tb;
-                if (d < (u32)k) o[d] = lo + p;
+                if (d < (u32)k) o[d] = out_index<SLOTS>(sc, lo + p);
                 ++tb;
             }
             ++rt;
@@ -1153,7 +1186,7 @@ __device__ __forceinline__ void reg_packed_scan(const u32 (&v)[W], u32 (&excl)[W
 // last selected key (kv, kp) closes the selection, keys above kv and kv itself at positions up
 // to kp. The output order comes from one block scan of the selected keys per (group, thread),
 // which is position order, after the lower ranks' totals.
-template <int C, int THREADS, int ACT, int BAR, bool ALIGNED>
+template <int C, int THREADS, int ACT, int BAR, bool ALIGNED, bool SLOTS>
 __device__ __forceinline__ void topk_reg_body(const float* __restrict__ x, int n, int lo, int len, int k,
                                               int* __restrict__ o, int nan_low, u32 rank,
                                               const FirstKeys& first, u32* spare, BodyScratch& sc) {
@@ -1391,7 +1424,7 @@ __device__ __forceinline__ void topk_reg_body(const float* __restrict__ x, int n
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
             if ((g >> c) & 1u) {
-                *dst = lo + REG_POS(4 * j + c);
+                *dst = out_index<SLOTS>(sc, lo + REG_POS(4 * j + c));
                 ++dst;
             }
         }
@@ -1409,17 +1442,17 @@ __device__ __forceinline__ void topk_reg_body(const float* __restrict__ x, int n
 // 0.1-0.3 us, the step by 0.8-1.9 us at 1-8 rows of 64K-128K, mostly in the listed-bin phase
 // (benchmarks/NOTES.md, runs 147, 149 and 153). Inline stays for 2 and 4 CTAs, whose 64K-128K
 // rows run this body
-template <int C, int THREADS, bool ALIGNED>
+template <int C, int THREADS, bool ALIGNED, bool SLOTS>
 __device__ __noinline__ void split_smem_row(const float* __restrict__ x, int n, int k, int* __restrict__ o,
                                             int nan_low, int cap, u32 rank, FirstKeys first,
                                             BodyScratch& sc) {
-    topk_cluster_body<C, THREADS, ALIGNED, false>(x, n, k, o, nan_low, cap, rank, first, sc);
+    topk_cluster_body<C, THREADS, ALIGNED, false, SLOTS>(x, n, k, o, nan_low, cap, rank, first, sc);
 }
 
 // a row of n live keys (more than SOLO_MAX or than cap) split over the C CTAs of this cluster:
 // a row whose chunks fit the registers runs from them on every CTA of a 1024-thread launch
 // (cuda_topk_emu.chunks_in_registers; 512 threads have 64 registers each)
-template <int C, int THREADS, bool ALIGNED>
+template <int C, int THREADS, bool ALIGNED, bool SLOTS>
 __device__ __forceinline__ void cluster_split_row(const float* __restrict__ x, int n, int k, int* __restrict__ o,
                                                   int nan_low, int cap, u32 rank, const FirstKeys& first,
                                                   BodyScratch& sc) {
@@ -1428,13 +1461,14 @@ __device__ __forceinline__ void cluster_split_row(const float* __restrict__ x, i
     if (THREADS == 1024 && chunk <= REG_MAX) {  // cluster-uniform
         const int lo = (int)rank * chunk;
         const int len = n - lo < 0 ? 0 : (n - lo > chunk ? chunk : n - lo);
-        topk_reg_body<C, THREADS, THREADS, 0, ALIGNED>(x + lo, n, lo, len, k, o, nan_low, rank, first, nullptr, sc);
+        topk_reg_body<C, THREADS, THREADS, 0, ALIGNED, SLOTS>(x + lo, n, lo, len, k, o, nan_low, rank, first, nullptr,
+                                                             sc);
         return;
     }
     if constexpr (C >= 8)
-        split_smem_row<C, THREADS, ALIGNED>(x, n, k, o, nan_low, cap, rank, first, sc);
+        split_smem_row<C, THREADS, ALIGNED, SLOTS>(x, n, k, o, nan_low, cap, rank, first, sc);
     else
-        topk_cluster_body<C, THREADS, ALIGNED, false>(x, n, k, o, nan_low, cap, rank, first, sc);
+        topk_cluster_body<C, THREADS, ALIGNED, false, SLOTS>(x, n, k, o, nan_low, cap, rank, first, sc);
 }
 
 // zero the first QUADS 16-byte words of smem
@@ -1447,12 +1481,13 @@ __device__ __forceinline__ void clear_quads(u32* smem, int tid) {
     }
 }
 
-template <int C, int THREADS, bool ALIGNED>
+template <int C, int THREADS, bool ALIGNED, bool SLOTS>
 __device__ __forceinline__ void topk_cluster_row(const float* __restrict__ logits, i64 stride_r,
                                                  const void* lens, int lens64, const void* active,
                                                  int active64, int sel_width, int k,
                                                  int* __restrict__ out, i64 stride_o, int nan_low,
-                                                 int cap, int lens_early) {
+                                                 int cap, int lens_early, const int* page_table,
+                                                 i64 page_stride, int page_bits, int pages) {
     extern __shared__ __align__(16) u32 smem[];
     const int row = blockIdx.y;
     const u32 rank = (C == 1) ? 0u : cl_rank();
@@ -1491,8 +1526,17 @@ __device__ __forceinline__ void topk_cluster_row(const float* __restrict__ logit
     }
     const int n = lens_early ? n_early : live_length(lens, lens64, active, active64, row, sel_width);
     if (clear_late) clear_quads<quads, THREADS>(smem, tid);  // (the body's first barrier follows)
+    const int* page_row = SLOTS ? page_table + (i64)row * page_stride : nullptr;
+    if (SLOTS && tid == 0) {  // after the first loads; read at the write, past the body's first barrier
+        sc.page_row[0] = (u32)reinterpret_cast<unsigned long long>(page_row);
+        sc.page_row[1] = (u32)(reinterpret_cast<unsigned long long>(page_row) >> 32);
+        sc.page_bits = page_bits;
+        sc.pages = pages;
+    }
     if (n <= k) {  // cluster-uniform: no CTA reaches a cluster barrier
-        for (int i = (int)rank * THREADS + tid; i < k; i += C * THREADS) o[i] = i < n ? i : -1;
+        for (int i = (int)rank * THREADS + tid; i < k; i += C * THREADS) {
+            o[i] = i >= n ? -1 : (SLOTS ? page_slot(page_row, page_bits, pages, i) : i);
+        }
         return;
     }
     // a row of at most REG_MAX keys runs from registers on rank 0 (cuda_topk_emu.in_registers),
@@ -1502,20 +1546,21 @@ __device__ __forceinline__ void topk_cluster_row(const float* __restrict__ logit
         constexpr int ACT = SHORT_ACT < THREADS ? SHORT_ACT : THREADS;
         if (rank == 0u) {
             if (ACT < THREADS && n <= 4 * CLUSTER_UNROLL * ACT)
-                topk_reg_body<1, THREADS, ACT, (ACT < THREADS ? 1 : 0), ALIGNED>(x, n, 0, n, k, o, nan_low, 0u, first,
-                                                                              spare, sc);
+                topk_reg_body<1, THREADS, ACT, (ACT < THREADS ? 1 : 0), ALIGNED, SLOTS>(x, n, 0, n, k, o, nan_low, 0u,
+                                                                                     first, spare, sc);
             else
-                topk_reg_body<1, THREADS, THREADS, 0, ALIGNED>(x, n, 0, n, k, o, nan_low, 0u, first, spare, sc);
+                topk_reg_body<1, THREADS, THREADS, 0, ALIGNED, SLOTS>(x, n, 0, n, k, o, nan_low, 0u, first, spare,
+                                                                      sc);
         }
         return;
     }
     if (C == 1) {
-        topk_cluster_body<1, THREADS, ALIGNED, true>(x, n, k, o, nan_low, cap, 0u, first, sc);
+        topk_cluster_body<1, THREADS, ALIGNED, true, SLOTS>(x, n, k, o, nan_low, cap, 0u, first, sc);
         return;
     }
     // a short row runs on rank 0 alone, as with one CTA per row (cuda_topk_emu.cluster_split)
     if (n <= SOLO_MAX && n <= cap) {  // cluster-uniform; no barrier or remote access follows
-        if (rank == 0u) topk_cluster_body<1, THREADS, ALIGNED, false>(x, n, k, o, nan_low, cap, 0u, first, sc);
+        if (rank == 0u) topk_cluster_body<1, THREADS, ALIGNED, false, SLOTS>(x, n, k, o, nan_low, cap, 0u, first, sc);
         return;
     }
     // 16 CTAs split only a row of more than WIDE_SPLIT_KEYS live keys; a shorter one runs on the
@@ -1523,10 +1568,10 @@ __device__ __forceinline__ void topk_cluster_row(const float* __restrict__ logit
     // barriers of the first 8 wait only for threads that have not exited, and none of the 8
     // reaches the shared memory of a rank past 7
     if (C == 16 && n <= WIDE_SPLIT_KEYS) {  // cluster-uniform
-        if (rank < 8u) cluster_split_row<8, THREADS, ALIGNED>(x, n, k, o, nan_low, cap, rank, first, sc);
+        if (rank < 8u) cluster_split_row<8, THREADS, ALIGNED, SLOTS>(x, n, k, o, nan_low, cap, rank, first, sc);
         return;
     }
-    cluster_split_row<C, THREADS, ALIGNED>(x, n, k, o, nan_low, cap, rank, first, sc);
+    cluster_split_row<C, THREADS, ALIGNED, SLOTS>(x, n, k, o, nan_low, cap, rank, first, sc);
 }
 
 // one CTA a row launches plainly, without a cluster attribute (measured as fast or faster at
@@ -1536,16 +1581,29 @@ __device__ __forceinline__ void topk_cluster_row(const float* __restrict__ logit
 #define CLUSTER_ATTR_4 __cluster_dims__(4, 1, 1)
 #define CLUSTER_ATTR_8 __cluster_dims__(8, 1, 1)
 #define CLUSTER_ATTR_16 __cluster_dims__(16, 1, 1)
-#define TOPK_CLUSTER_KERNEL(C, T, A)                                                               \
+// one entry of the row (SLOTS: writing slots through the page table, its own code; the positions
+// entry takes the same parameters and leaves the page-table ones unread)
+#define TOPK_CLUSTER_ENTRY(C, T, A, SUF, SLOTS)                                                    \
     extern "C" __global__ void CLUSTER_ATTR_##C __launch_bounds__(T, 1024 / (T))                  \
-        topk_cluster_c##C##_t##T##_a##A(const float* __restrict__ logits, i64 stride_r,           \
+        topk_cluster_c##C##_t##T##_a##A##SUF(const float* __restrict__ logits, i64 stride_r,      \
                                         const void* lens, int lens64, const void* active,          \
                                         int active64, int sel_width, int k,                        \
                                         int* __restrict__ out, i64 stride_o, int nan_low,          \
-                                        int cap, int lens_early) {                                 \
-        topk_cluster_row<C, T, (A) != 0>(logits, stride_r, lens, lens64, active, active64,         \
-                                         sel_width, k, out, stride_o, nan_low, cap, lens_early);   \
+                                        int cap, int lens_early, const int* page_table,            \
+                                        i64 page_stride, int page_bits, int pages) {               \
+        topk_cluster_row<C, T, (A) != 0, SLOTS>(logits, stride_r, lens, lens64, active, active64,  \
+                                                sel_width, k, out, stride_o, nan_low, cap,         \
+                                                lens_early, page_table, page_stride, page_bits,    \
+                                                pages);                                            \
     }
+// the library's module holds the positions entries; the slots module (compiled with
+// TOPK_SLOTS_MODULE=1, on a page table's first use) the slots entries, so that a launch without
+// page tables never pays their compile
+#if TOPK_SLOTS_MODULE
+#define TOPK_CLUSTER_KERNEL(C, T, A) TOPK_CLUSTER_ENTRY(C, T, A, _slots, true)
+#else
+#define TOPK_CLUSTER_KERNEL(C, T, A) TOPK_CLUSTER_ENTRY(C, T, A, , false)
+#endif
 
 TOPK_CLUSTER_KERNEL(1, 1024, 1)
 TOPK_CLUSTER_KERNEL(1, 1024, 0)

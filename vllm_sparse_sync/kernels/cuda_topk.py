@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+from .reference import MAX_PAGE_BITS
+
 SOURCE_PATH = Path(__file__).with_name("cuda_topk.cu")
 # (threads, float4 vectors per thread and tile) compiled in cuda_topk.cu
 VARIANTS = ((1024, 4), (1024, 2), (512, 4), (512, 8))
@@ -40,6 +42,10 @@ HIST_BINS = 2048
 CLUSTER_SIZES = (1, 2, 4, 8, 16)
 CLUSTER_THREADS = (1024, 512)
 CLUSTER_MIN_CAPABILITY = (9, 0)
+SLOTS_OPTIONS = ("-DTOPK_SLOTS_MODULE=1",)
+"""the NVRTC options of the slots module: the cluster kernels' entries that write KV-cache slots
+through a page table, compiled on a page table's first use (the library's module stays as fast to
+compile as without them)"""
 PORTABLE_CLUSTER = 8
 """the largest cluster every sm_90+ device launches; 16 needs the non-portable opt-in and a device
 that can hold 16 such CTAs in one GPC (``_Module.cluster16``)"""
@@ -62,12 +68,13 @@ def kernel_name(threads: int, vec: int, aligned: bool) -> str:
     return f"topk_radix_t{threads}_v{vec}_a{int(bool(aligned))}"
 
 
-def cluster_kernel_name(cluster: int, aligned: bool, threads: int = 1024) -> str:
+def cluster_kernel_name(cluster: int, aligned: bool, threads: int = 1024, slots: bool = False) -> str:
+    """The cluster kernel's entry; ``slots``: the one that writes slots through a page table."""
     if cluster not in CLUSTER_SIZES:
         raise ValueError(f"cuda top-k: cluster size must be one of {CLUSTER_SIZES}, got {cluster!r}")
     if threads not in CLUSTER_THREADS:
         raise ValueError(f"cuda top-k: cluster threads must be one of {CLUSTER_THREADS}, got {threads!r}")
-    return f"topk_cluster_c{cluster}_t{threads}_a{int(bool(aligned))}"
+    return f"topk_cluster_c{cluster}_t{threads}_a{int(bool(aligned))}{'_slots' if slots else ''}"
 
 
 def cluster_chunk_cap(sel_width: int, cluster: int) -> int:
@@ -309,9 +316,10 @@ def module_cubin(arch: str, *, text: str | None = None, name: str = "cuda_topk.c
 
 
 class _Module:
-    """The compiled module of one device: its context and kernel handles."""
+    """The compiled module of one device (``slots``: the slots module): its context and kernel
+    handles."""
 
-    def __init__(self, index: int) -> None:
+    def __init__(self, index: int, slots: bool = False) -> None:
         driver, _ = _bindings()
         self.driver = driver
         self.index = index
@@ -322,7 +330,8 @@ class _Module:
         # torch's runtime uses the device's primary context: the same one
         self.ctx = _check(driver.cuDevicePrimaryCtxRetain(cu_dev), "cuDevicePrimaryCtxRetain")
         _check(driver.cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent")
-        cubin, self.origin = module_cubin(self.arch)
+        self.slots = slots
+        cubin, self.origin = module_cubin(self.arch, extra_options=SLOTS_OPTIONS if slots else ())
         self.module = _check(driver.cuModuleLoadData(cubin), "cuModuleLoadData")
         self.functions: dict[str, object] = {}
         self.smem_set: dict[str, int] = {}
@@ -338,7 +347,7 @@ class _Module:
         """Whether 16-CTA clusters of the widest plan (1024 threads, all the opt-in shared memory)
         can be resident at once on this device (the non-portable size; not on every GPC layout)."""
         try:
-            fn = self.function(cluster_kernel_name(16, True), self.smem_optin)
+            fn = self.function(cluster_kernel_name(16, True, slots=self.slots), self.smem_optin)
             config = self.driver.CUlaunchConfig()
             config.gridDimX, config.gridDimY, config.gridDimZ = 16, 1, 1
             config.blockDimX, config.blockDimY, config.blockDimZ = 1024, 1, 1
@@ -391,25 +400,27 @@ def load_cluster_function(driver, module, name: str, smem: int):
     return fn
 
 
-_MODULES: dict[int, _Module] = {}
+_MODULES: dict[tuple[int, bool], _Module] = {}
 _LOCK = threading.Lock()
 
 
-def module_for(device: torch.device | str | int) -> _Module:
-    """The compiled module of a CUDA device (compiles and loads on first use)."""
+def module_for(device: torch.device | str | int, slots: bool = False) -> _Module:
+    """The compiled module of a CUDA device (compiles and loads on first use); ``slots``: the
+    slots module (``SLOTS_OPTIONS``)."""
     index = torch.device(device).index if not isinstance(device, int) else device
     if index is None:
         index = torch.cuda.current_device()
-    mod = _MODULES.get(index)
+    key = (index, bool(slots))
+    mod = _MODULES.get(key)
     if mod is None:
         with _LOCK:
-            mod = _MODULES.get(index)
+            mod = _MODULES.get(key)
             if mod is None:
                 ok, why = status(torch.device("cuda", index))
                 if not ok:
                     raise RuntimeError(f"cuda top-k unavailable: {why}")
-                mod = _Module(index)
-                _MODULES[index] = mod
+                mod = _Module(index, bool(slots))
+                _MODULES[key] = mod
     return mod
 
 
@@ -505,6 +516,8 @@ def launch_cuda_topk_cluster(
     threads: int | None = None,
     pdl: bool = True,
     lens_early: bool = False,
+    page_table: torch.Tensor | None = None,
+    page_bits: int = 0,
 ) -> ClusterPlan:
     """A cluster of CTAs per row (``plan_cluster``'s, or ``cluster``): the output of
     ``launch_cuda_topk``, element for element. ``cap`` overrides the keys kept in shared memory
@@ -515,7 +528,9 @@ def launch_cuda_topk_cluster(
     ``lens_early``: ``row_lens`` and ``active`` are read before, so only where the stream's
     previous kernel does not write them and lets this one launch only once every write of them
     has completed (a step's scorer: plain, or a dependent launch that waits before it lets its
-    dependents launch). Returns the plan launched.
+    dependents launch). ``page_table`` (int32 ``[>= rows, pages]``, contiguous rows; pages of
+    ``2 ** page_bits`` slots): the output holds each position's KV-cache slot
+    (``reference.page_table_slots``), written by the same launch. Returns the plan launched.
 
     ``x`` must hold at least ``sel_width`` columns: the kernel may read any of them before it
     knows a row's live length (a ``ValueError`` names the shape otherwise).
@@ -527,7 +542,7 @@ def launch_cuda_topk_cluster(
     if x.dim() != 2 or x.shape[1] < sel_width:
         raise ValueError(f"cuda top-k: logits must be 2-D with at least sel_width={sel_width} columns "
                          f"(the cluster route may read them all), got shape {tuple(x.shape)}")
-    mod = module_for(_check_launch_args(x, row_lens, active, out, k, sel_width))
+    mod = module_for(_check_launch_args(x, row_lens, active, out, k, sel_width), slots=page_table is not None)
     if not mod.cluster_ok:
         raise ValueError(
             f"cuda top-k: the cluster route needs compute capability >= {CLUSTER_MIN_CAPABILITY}")
@@ -546,20 +561,40 @@ def launch_cuda_topk_cluster(
             raise ValueError(f"cuda top-k: cap must be a multiple of 4 in [4, {plan.cap}], got {cap}")
         plan_smem = cluster_smem_bytes(cap, plan.cluster, plan.threads)
         plan = ClusterPlan(plan.cluster, cap, plan_smem, plan.threads)
+    if page_table is not None:
+        _check_page_table(page_table, page_bits, rows, x.device)
     if rows == 0:
         return plan
     aligned = x.data_ptr() % 16 == 0 and stride_r % 4 == 0
     smem = launch_smem(plan, rows, mod.sm_count, mod.smem_per_sm, mod.smem_optin, pdl)
-    fn = mod.function(cluster_kernel_name(plan.cluster, aligned, plan.threads), smem)
+    fn = mod.function(cluster_kernel_name(plan.cluster, aligned, plan.threads, page_table is not None), smem)
     _launch(mod, fn, (plan.cluster, rows, 1), plan.threads, smem, x, stride_r, row_lens, active,
-            out, k, sel_width, nan_low, cluster_tail(plan.cap, lens_early), pdl=pdl)
+            out, k, sel_width, nan_low, cluster_tail(plan.cap, lens_early, page_table, page_bits), pdl=pdl)
     return plan
 
 
-def cluster_tail(cap: int, lens_early: bool = False) -> tuple:
-    """The cluster kernels' parameters after ``nan_low``: the keys kept in shared memory, and
-    whether the live lengths are read before the dependency wait (``launch_cuda_topk_cluster``)."""
-    return (ctypes.c_int(cap), ctypes.c_int(1 if lens_early else 0))
+def _check_page_table(page_table: torch.Tensor, page_bits: int, rows: int, device: torch.device) -> None:
+    ok = (page_table.dtype == torch.int32 and page_table.dim() == 2 and page_table.shape[0] >= rows
+          and (page_table.shape[1] <= 1 or page_table.stride(1) == 1) and page_table.device == device
+          and 0 <= page_bits <= MAX_PAGE_BITS)
+    if not ok:
+        raise ValueError(f"cuda top-k: page_table must be int32 [>= rows={rows}, pages] with contiguous "
+                         f"rows on {device} and page_bits in [0, {MAX_PAGE_BITS}]; got {page_table.dtype} "
+                         f"{tuple(page_table.shape)} on {page_table.device}, page_bits={page_bits}")
+
+
+def cluster_tail(cap: int, lens_early: bool = False, page_table: torch.Tensor | None = None,
+                 page_bits: int = 0) -> tuple:
+    """The cluster kernels' parameters after ``nan_low``: the keys kept in shared memory,
+    whether the live lengths are read before the dependency wait, and the page table that turns
+    positions into slots (none: a null pointer) with its row stride, page bits and width
+    (``launch_cuda_topk_cluster``)."""
+    if page_table is None:
+        table = (ctypes.c_void_p(0), ctypes.c_longlong(0), ctypes.c_int(0), ctypes.c_int(0))
+    else:  # (a table of no pages is never read: its pointer may be null)
+        table = (ctypes.c_void_p(page_table.data_ptr()), ctypes.c_longlong(page_table.stride(0)),
+                 ctypes.c_int(page_bits), ctypes.c_int(page_table.shape[1]))
+    return (ctypes.c_int(cap), ctypes.c_int(1 if lens_early else 0), *table)
 
 
 def _launch(mod, fn, grid, threads, smem, x, stride_r, row_lens, active, out, k, sel_width, nan_low,

@@ -42,12 +42,29 @@ def paged_indexer_logits(q_fp8, weights, k_cache, block_table, row_lens, width, 
     return _finish(res, out)
 
 
-def topk_indices(logits, row_lens, k, *, active_width=None, workspace=None, out=None):
+def topk_indices(logits, row_lens, k, *, active_width=None, workspace=None, out=None, page_table=None,
+                 page_size=None):
     """See ``reference.topk_indices``."""
     if _uses_triton(logits):
         return _triton().topk_indices(logits, row_lens, k, active_width=active_width,
-                                      workspace=workspace, out=out)
-    return _finish(reference.topk_indices(logits, row_lens, k, active_width=active_width), out)
+                                      workspace=workspace, out=out, page_table=page_table,
+                                      page_size=page_size)
+    return _finish(reference.topk_indices(logits, row_lens, k, active_width=active_width,
+                                          page_table=page_table, page_size=page_size), out)
+
+
+def page_table_slots(indices, page_table, page_size):
+    """See ``reference.page_table_slots`` (on CUDA: one Triton launch, then ``indices`` unchanged)."""
+    if _uses_triton(indices):
+        bits = reference.check_page_table(page_table, page_size, indices.shape[0], indices.device)
+        reference._check(indices.dim() == 2 and indices.dtype == torch.int32, "indices",
+                         f"must be int32 [rows, k], got {indices.dtype} {tuple(indices.shape)}")
+        from .triton_slots import launch_page_slots
+
+        out = indices.clone(memory_format=torch.contiguous_format)
+        launch_page_slots(out, page_table, bits)
+        return out
+    return reference.page_table_slots(indices, page_table, page_size)
 
 
 def write_index_k_cache(k_cache, k_fp8, k_scale, slot_mapping) -> None:
@@ -58,14 +75,16 @@ def write_index_k_cache(k_cache, k_fp8, k_scale, slot_mapping) -> None:
 
 
 def indexer_topk(q_fp8, weights, k_cache, block_table, row_lens, k, *, active_width=None,
-                 width=None, workspace=None, out=None):
+                 width=None, workspace=None, out=None, page_table=None, page_size=None):
     """See ``reference.indexer_topk``."""
     if _uses_triton(q_fp8):
         return _triton().indexer_topk(q_fp8, weights, k_cache, block_table, row_lens, k,
                                       active_width=active_width, width=width,
-                                      workspace=workspace, out=out)
+                                      workspace=workspace, out=out, page_table=page_table,
+                                      page_size=page_size)
     res = reference.indexer_topk(q_fp8, weights, k_cache, block_table, row_lens, k,
-                                 active_width=active_width, width=width)
+                                 active_width=active_width, width=width, page_table=page_table,
+                                 page_size=page_size)
     return _finish(res, out)
 
 

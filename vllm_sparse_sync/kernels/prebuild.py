@@ -33,10 +33,13 @@ def parse_arch(text: str) -> tuple[int, int]:
 
 
 def builds_for(capability: tuple[int, int]) -> list[Build]:
-    """The modules a device of ``capability`` compiles: the top-k for its arch and, on 9.0, both
-    scorer builds (sm_90a)."""
+    """The modules a device of ``capability`` compiles: the top-k for its arch (and from 9.0 its
+    slots module) and, on 9.0, both scorer builds (sm_90a)."""
     arch = f"sm_{capability[0]}{capability[1]}"
     out = [Build(f"CUDA top-k ({arch})", lambda env: cuda_topk.module_cubin(arch, environ=env))]
+    if capability >= cuda_topk.CLUSTER_MIN_CAPABILITY:
+        out.append(Build(f"CUDA top-k slots ({arch})", lambda env: cuda_topk.module_cubin(
+            arch, extra_options=cuda_topk.SLOTS_OPTIONS, environ=env)))
     if capability == cuda_scorer.CAPABILITY:
         for consumers in (cuda_scorer.CONSUMERS, cuda_scorer.NARROW_CONSUMERS):
             defines = cuda_scorer.build_defines(consumers)

@@ -17,6 +17,9 @@ those of docs/design.md section 5:
   below ``+0.0``; ties at the k-th score go to the lower positions. Here valid entries come in
   descending key order; other routes may order them otherwise (the contract is the set).
 * K-cache writes skip slots ``< 0`` and slots past the cache, on every route.
+* KV-cache slots of top-k positions (``page_table=``, ``page_table_slots``): position ``p`` of
+  row ``r`` becomes ``page_table[r, p // page_size] * page_size + p % page_size`` (int32), the
+  form sparse attention reads; ``-1`` stays ``-1``, and so does a position past the table.
 """
 
 from __future__ import annotations
@@ -225,13 +228,19 @@ def paged_indexer_logits(
 
 
 def topk_indices(
-    logits: torch.Tensor, row_lens: torch.Tensor, k: int, *, active_width: torch.Tensor | None = None
+    logits: torch.Tensor, row_lens: torch.Tensor, k: int, *, active_width: torch.Tensor | None = None,
+    page_table: torch.Tensor | None = None, page_size: int | None = None,
 ) -> torch.Tensor:
-    """Top-``k`` positions per row ``int32 [rows, k]`` among the row's live positions, ``-1`` padded."""
+    """Top-``k`` positions per row ``int32 [rows, k]`` among the row's live positions, ``-1`` padded
+    (with ``page_table``: their KV-cache slots, ``page_table_slots``)."""
     _check(logits.dim() == 2, "logits", f"must be 2-D [rows, width], got {tuple(logits.shape)}")
     _check(row_lens.shape == (logits.shape[0],), "row_lens",
            f"must be [rows={logits.shape[0]}], got {tuple(row_lens.shape)}")
     k = check_k(k)
+    if page_table is not None:
+        check_page_table(page_table, page_size, logits.shape[0], logits.device)
+        positions = topk_indices(logits, row_lens, k, active_width=active_width)
+        return page_table_slots(positions, page_table, page_size)
     rows, width = logits.shape
     out = torch.full((rows, k), -1, dtype=torch.int32, device=logits.device)
     eff = effective_lengths(row_lens, width, active_width)
@@ -245,6 +254,44 @@ def topk_indices(
     return out
 
 
+MAX_PAGE_BITS = 20
+
+
+def check_page_table(page_table: object, page_size: object, rows: int, device: torch.device) -> int:
+    """log2 of ``page_size`` once ``page_table`` can map ``rows`` rows of positions to slots:
+    int32 ``[>= rows, pages]`` with contiguous rows on ``device``; ``page_size`` a power of two
+    up to ``2 ** MAX_PAGE_BITS``."""
+    _check(isinstance(page_table, torch.Tensor), "page_table",
+           f"must be a tensor, got {type(page_table).__name__}")
+    _check(page_table.dim() == 2 and page_table.shape[0] >= rows, "page_table",
+           f"must be 2-D [>= rows={rows}, pages], got {tuple(page_table.shape)}")
+    _check(page_table.dtype == torch.int32, "page_table", f"must be int32, got {page_table.dtype}")
+    _check(page_table.shape[1] <= 1 or page_table.stride(1) == 1, "page_table", "must have contiguous rows")
+    _check(page_table.device == torch.device(device), "page_table",
+           f"must be on {device} (the output's device), got {page_table.device}")
+    size = _host_int("page_size", page_size, 1)
+    _check(size & (size - 1) == 0 and size <= 2 ** MAX_PAGE_BITS, "page_size",
+           f"must be a power of two up to {2 ** MAX_PAGE_BITS}, got {size}")
+    return size.bit_length() - 1
+
+
+def page_table_slots(indices: torch.Tensor, page_table: torch.Tensor, page_size: int) -> torch.Tensor:
+    """KV-cache slots of top-k positions ``int32 [rows, k]``: ``page_table[r, p // page_size] *
+    page_size + p % page_size`` for each position ``p >= 0`` of row ``r`` whose page is in the
+    table, ``-1`` elsewhere."""
+    _check(indices.dim() == 2 and indices.dtype == torch.int32, "indices",
+           f"must be int32 [rows, k], got {indices.dtype} {tuple(indices.shape)}")
+    bits = check_page_table(page_table, page_size, indices.shape[0], indices.device)
+    if page_table.shape[1] == 0:
+        return torch.full_like(indices, -1)
+    pos = indices.to(torch.int64)
+    page = torch.where(pos >= 0, pos >> bits, 0)
+    ok = (pos >= 0) & (page < page_table.shape[1])
+    base = page_table[: indices.shape[0]].to(torch.int64).gather(1, torch.where(ok, page, 0))
+    slots = (base << bits) | (pos & ((1 << bits) - 1))
+    return torch.where(ok, slots, -1).to(torch.int32)
+
+
 def indexer_topk(
     q_fp8: torch.Tensor,
     weights: torch.Tensor,
@@ -255,13 +302,20 @@ def indexer_topk(
     *,
     active_width: torch.Tensor | None = None,
     width: int | None = None,
+    page_table: torch.Tensor | None = None,
+    page_size: int | None = None,
 ) -> torch.Tensor:
-    """The whole decode indexer step: score, then select (``int32 [rows, k]``)."""
+    """The whole decode indexer step: score, then select (``int32 [rows, k]``). With
+    ``page_table`` the output holds KV-cache slots (``page_table_slots``; ``page_size``
+    defaults to the K cache's)."""
     _check_scorer_inputs(q_fp8, weights, k_cache, block_table, row_lens, active_width)
     k = check_k(k)
     page = page_size_of(k_cache, q_fp8.shape[2])
     width = block_table.shape[1] * page if width is None else check_width(width)
+    if page_table is not None:
+        check_page_table(page_table, page if page_size is None else page_size, q_fp8.shape[0], q_fp8.device)
     logits = paged_indexer_logits(
         q_fp8, weights, k_cache, block_table, row_lens, width, active_width=active_width
     )
-    return topk_indices(logits, row_lens, k, active_width=active_width)
+    return topk_indices(logits, row_lens, k, active_width=active_width, page_table=page_table,
+                        page_size=page if page_size is None else page_size)

@@ -153,18 +153,37 @@ def _index_out(out: torch.Tensor | None, rows: int, k: int, device: torch.device
     return out
 
 
+def _slots(out: torch.Tensor, pages: tuple | None) -> None:
+    """``out``'s positions rewritten as KV-cache slots where ``pages`` (table, log2 page size) is
+    given, by its own launch."""
+    if pages is not None:
+        from .triton_slots import launch_page_slots
+
+        launch_page_slots(out, *pages)
+
+
 def _launch_topk(route: Route, logits, row_lens, active_width, ws, out, k, width, *,
-                 nan_low: bool, after_scorer: bool = False) -> None:
+                 nan_low: bool, after_scorer: bool = False, pages: tuple | None = None) -> None:
     """The route's top-k launches; ``nan_low=False`` for scores from the scorer (NaN negative).
     ``after_scorer``: the stream's previous kernel is this step's scorer (which does not write
-    ``row_lens`` or ``active_width``)."""
+    ``row_lens`` or ``active_width``). ``pages``: (page table, log2 page size), the output as
+    KV-cache slots: written by the cluster top-k itself, by a transform launch after the others."""
     if route.kind == CUDA_RADIX and route.topk_cluster:
         from .cuda_topk import launch_cuda_topk_cluster
 
         launch_cuda_topk_cluster(logits, logits.stride(0), row_lens, active_width, out, k, width,
                                  nan_low=nan_low, cluster=route.topk_cluster, cap=route.topk_cap,
-                                 lens_early=after_scorer and ws.config.topk.cuda_lens_early)
+                                 lens_early=after_scorer and ws.config.topk.cuda_lens_early,
+                                 page_table=None if pages is None else pages[0],
+                                 page_bits=0 if pages is None else pages[1])
         return
+    _launch_positions(route, logits, row_lens, active_width, ws, out, k, width, nan_low=nan_low)
+    _slots(out, pages)
+
+
+def _launch_positions(route: Route, logits, row_lens, active_width, ws, out, k, width, *,
+                      nan_low: bool) -> None:
+    """The top-k launches of a route other than the cluster top-k (positions)."""
     if route.kind == CUDA_RADIX:
         from .cuda_topk import launch_cuda_topk
 
@@ -185,8 +204,11 @@ def topk_indices(
     active_width: torch.Tensor | None = None,
     workspace: IndexerTopkWorkspace | None = None,
     out: torch.Tensor | None = None,
+    page_table: torch.Tensor | None = None,
+    page_size: int | None = None,
 ) -> torch.Tensor:
-    """Top-``k`` positions per row ``int32 [rows, k]`` among the row's live positions, ``-1`` padded."""
+    """Top-``k`` positions per row ``int32 [rows, k]`` among the row's live positions, ``-1`` padded
+    (with ``page_table``: their KV-cache slots, ``reference.page_table_slots``)."""
     _check(logits.dim() == 2, "logits", f"must be 2-D [rows, width], got {tuple(logits.shape)}")
     _check(logits.dtype == torch.float32 and logits.stride(1) == 1, "logits",
            "must be float32 with contiguous rows")
@@ -196,13 +218,21 @@ def topk_indices(
     if active_width is not None:
         _check(active_width.numel() == 1, "active_width", "must hold one element")
     rows, width = logits.shape
+    pages = _pages(page_table, page_size, rows, logits.device)
     out = _index_out(out, rows, k, logits.device)
     if rows == 0:
         return out
     ws = _workspace(workspace, rows, k, 0, logits.device)
     route = ws.route(rows, width, 1, score=False)
-    _launch_topk(route, logits, row_lens, active_width, ws, out, k, width, nan_low=True)
+    _launch_topk(route, logits, row_lens, active_width, ws, out, k, width, nan_low=True, pages=pages)
     return out
+
+
+def _pages(page_table, page_size, rows: int, device: torch.device) -> tuple | None:
+    """(page table, log2 page size) once checked, or None without a table."""
+    if page_table is None:
+        return None
+    return page_table, ref.check_page_table(page_table, page_size, rows, device)
 
 
 def _run_fused(q_fp8, weights, k_cache, block_table, row_lens, active, out, ws, k, page, width,
@@ -237,8 +267,11 @@ def indexer_topk(
     width: int | None = None,
     workspace: IndexerTopkWorkspace | None = None,
     out: torch.Tensor | None = None,
+    page_table: torch.Tensor | None = None,
+    page_size: int | None = None,
 ) -> torch.Tensor:
-    """The whole decode indexer step, score then select (``int32 [rows, k]``).
+    """The whole decode indexer step, score then select (``int32 [rows, k]``; with ``page_table``
+    KV-cache slots, ``page_size`` defaulting to the K cache's).
 
     The route comes from ``route.plan_route`` (the call's rows and width): up to
     ``config.fused.max_rows`` rows it is one fused launch whose scores stay in registers
@@ -250,6 +283,7 @@ def indexer_topk(
     rows = q_fp8.shape[0]
     k = ref.check_k(k)
     width = block_table.shape[1] * page if width is None else ref.check_width(width)
+    pages = _pages(page_table, page if page_size is None else page_size, rows, q_fp8.device)
     out = _index_out(out, rows, k, q_fp8.device)
     if rows == 0:
         return out
@@ -257,6 +291,7 @@ def indexer_topk(
     route = _run_fused(q_fp8, weights, k_cache, block_table, row_lens, active_width, out, ws, k, page,
                        width, ws.route(rows, width, page))
     if route.fused:
+        _slots(out, pages)
         return out
     logits = ws.logits
     launch_score(
@@ -264,5 +299,6 @@ def indexer_topk(
         sel_width=width, fill_width=0, splits=route.score_splits, config=ws.config.scorer,
         kind=route.scorer,
     )
-    _launch_topk(route, logits, row_lens, active_width, ws, out, k, width, nan_low=False, after_scorer=True)
+    _launch_topk(route, logits, row_lens, active_width, ws, out, k, width, nan_low=False, after_scorer=True,
+                 pages=pages)
     return out
