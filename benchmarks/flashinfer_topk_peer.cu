@@ -26,4 +26,34 @@ extern "C" int fi_topk_ragged(float* input, int* out, const int* offsets, int* l
   return static_cast<int>(err);
 }
 
+// FlashInfer's top-k with its page-table epilogue (the form sparse attention reads): row r's
+// selected position p written as page_table[r][p >> page_bits] << page_bits | (p's offset), through
+// its ConfigurablePageTableKernelPolicy; algo as above (0 dispatch, 1 filtered, 2 multi-CTA radix).
+extern "C" int fi_topk_page_table(float* input, int* out, const int* page_table, long long table_stride,
+                                  int* lengths, unsigned num_rows, unsigned k, unsigned max_len,
+                                  long long input_stride, unsigned page_bits, void* row_states, int algo,
+                                  void* stream) {
+  using namespace flashinfer::sampling;
+  using Policy = ConfigurablePageTableKernelPolicy<int>;
+  auto* states = static_cast<RadixRowState*>(row_states);
+  auto s = static_cast<cudaStream_t>(stream);
+  const Policy policy(nullptr, input_stride, page_bits);
+  cudaError_t err;
+  if (algo == 1) {
+    err = FilteredTopKPageTableTransform<float, int, Policy>(input, out, page_table, table_stride, nullptr,
+                                                             lengths, nullptr, nullptr, num_rows, k, max_len,
+                                                             false, TopKTieBreak::None, s, false, policy);
+  } else if (algo == 2) {
+    err = RadixTopKPageTableTransformMultiCTA<float, int, Policy>(input, out, page_table, table_stride, nullptr,
+                                                                  lengths, nullptr, nullptr, num_rows, k,
+                                                                  max_len, states, false, s, policy);
+  } else {
+    err = TopKPageTableTransformDispatch<float, int, Policy>(input, out, page_table, table_stride, lengths,
+                                                             nullptr, nullptr, num_rows, k, max_len, states,
+                                                             false, TopKTieBreak::None, s, false, nullptr,
+                                                             policy);
+  }
+  return static_cast<int>(err);
+}
+
 extern "C" int fi_row_states_bytes() { return static_cast<int>(sizeof(flashinfer::sampling::RadixRowState)); }

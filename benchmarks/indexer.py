@@ -406,6 +406,10 @@ def load_flashinfer_topk():
     p, u = ctypes.c_void_p, ctypes.c_uint
     lib.fi_topk_ragged.argtypes = [p, p, p, p, u, u, u, p, ctypes.c_int, ctypes.c_int, p]
     lib.fi_topk_ragged.restype = ctypes.c_int
+    if hasattr(lib, "fi_topk_page_table"):  # (benchmarks/topk_slots.py)
+        ll = ctypes.c_longlong
+        lib.fi_topk_page_table.argtypes = [p, p, p, ll, p, u, u, u, ll, u, p, ctypes.c_int, p]
+        lib.fi_topk_page_table.restype = ctypes.c_int
     return lib
 
 

@@ -463,3 +463,25 @@ def test_build_flashinfer_exits_2_naming_what_is_missing(indexer, tmp_path, monk
     assert indexer.build_flashinfer_cli("90a", str(tmp_path / "no-nvcc")) == 2
     assert "no-nvcc" in capsys.readouterr().err
     assert not list((tmp_path / ".peers_fi").glob("*.so*"))  # nothing half-built left behind
+
+
+def test_topk_slots_compares_ours_with_the_fastest_checked_peer_and_reads_shapes(monkeypatch):
+    slots = load_benchmark("topk_slots")
+    assert slots.parse_shapes("1x4096, 64x65536") == [(1, 4096), (64, 65536)]
+    assert len(slots.parse_shapes("")) == 9
+    for bad in ("64", "0x4096", "ax5"):
+        with pytest.raises(SystemExit, match="--shapes"):
+            slots.parse_shapes(bad)
+    res = slots.derive({"B": 1, "L": 4096, "ours_us": 4.0, "ours_slots_us": 4.2,
+                        "ours_then_transform_us": 6.0,
+                        "fi_auto_slots_us": 3.0, "fi_auto_slots_check": "differs",  # fastest, but wrong
+                        "fi_filtered_slots_us": 5.0, "fi_filtered_slots_check": "ok",
+                        "vllm_cooperative_then_transform_us": 6.3,
+                        "vllm_cooperative_then_transform_check": "ok"})
+    assert res["best_peer"] == "fi_filtered_slots" and res["slots_over_best_peer"] == pytest.approx(0.84)
+    assert res["fusion_saves_us"] == pytest.approx(1.8)
+    text = slots.table([res, {"B": 2, "L": 8, "ours_us": 1.0}])
+    assert "1/1" in text and "fi_auto_slots_check" in text  # the failed check is named
+    monkeypatch.setattr(slots.torch.cuda, "is_available", lambda: False)
+    code = main_exit_code(slots, ["--shapes", "1x4096"], monkeypatch)
+    assert code == "topk_slots.py times CUDA kernels: no CUDA device here"
