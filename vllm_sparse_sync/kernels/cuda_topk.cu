@@ -576,11 +576,11 @@ DCP_MERGE_KERNEL(16)
 //            ranks a listed bin by (key, position). Each selected key of the range goes to
 //            ra + tb (A keys and selected T keys before it): the ascending order of topk_row.
 //            No remote access follows the exchange's barrier.
-//   slots    with a page table (page_table != nullptr: int32 rows of `pages` pages of 2^page_bits
-//            slots) each selected position p is written as its KV-cache slot,
-//            table[row][p >> page_bits] << page_bits | (p's offset in its page), or -1 where its
-//            page is past the table: the top-k and the page-table transform in one launch
-//            (reference.page_table_slots). Padding stays -1.
+//   slots    the slots entries (`_slots`, the slots module: TOPK_SLOTS_MODULE) take a page table
+//            (int32 rows of `pages` pages of 2^page_bits slots) and write each selected position p
+//            as its KV-cache slot, table[row][p >> page_bits] << page_bits | (p's offset in its
+//            page), or -1 where its page is past the table: the top-k and the page-table
+//            transform in one launch (reference.page_table_slots). Padding stays -1.
 //
 // Dynamic shared memory (words): the local counts of the three passes hist[2048], hist1[2048],
 // hist2[1024] (all cleared at the start; one CTA: hist[4096], hist1[2048], hist2[2048], and a
