@@ -154,3 +154,18 @@ def test_the_host_passes_every_cluster_kernel_parameter_in_order(with_table, mon
         assert (named["page_stride"].value, named["page_bits"].value, named["pages"].value) == (2, 5, 2)
     else:
         assert named["page_table"].value is None and named["pages"].value == 0
+
+
+@pytest.mark.parametrize("table, bits, match", [
+    (torch.zeros(2, 4, dtype=torch.int64), 6, "page_table: must be int32"),
+    (torch.zeros(1, 4, dtype=torch.int32), 6, "rows=2"),
+    (torch.zeros(2, 4, dtype=torch.int32), 21, "page_bits"),
+    (torch.zeros(2, 4, dtype=torch.int32), -1, "page_bits"),
+])
+def test_the_cluster_launch_refuses_a_bad_table_before_anything_compiles(table, bits, match, monkeypatch):
+    monkeypatch.setattr(cuda_topk, "module_for", lambda *a, **k: pytest.fail("reached the module"))
+    x = torch.zeros(2, 64)
+    with pytest.raises(ValueError, match=match):
+        cuda_topk.launch_cuda_topk_cluster(x, 64, torch.zeros(2, dtype=torch.int32), None,
+                                           torch.zeros(2, 8, dtype=torch.int32), 8, 64, page_table=table,
+                                           page_bits=bits)

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from .reference import MAX_PAGE_BITS
+from .reference import MAX_PAGE_BITS, check_page_table
 
 SOURCE_PATH = Path(__file__).with_name("cuda_topk.cu")
 # (threads, float4 vectors per thread and tile) compiled in cuda_topk.cu
@@ -542,6 +542,10 @@ def launch_cuda_topk_cluster(
     if x.dim() != 2 or x.shape[1] < sel_width:
         raise ValueError(f"cuda top-k: logits must be 2-D with at least sel_width={sel_width} columns "
                          f"(the cluster route may read them all), got shape {tuple(x.shape)}")
+    if page_table is not None:  # (before anything compiles)
+        if not 0 <= page_bits <= MAX_PAGE_BITS:
+            raise ValueError(f"page_bits: must be in [0, {MAX_PAGE_BITS}], got {page_bits}")
+        check_page_table(page_table, 1 << page_bits, rows, x.device)
     mod = module_for(_check_launch_args(x, row_lens, active, out, k, sel_width), slots=page_table is not None)
     if not mod.cluster_ok:
         raise ValueError(
@@ -561,8 +565,6 @@ def launch_cuda_topk_cluster(
             raise ValueError(f"cuda top-k: cap must be a multiple of 4 in [4, {plan.cap}], got {cap}")
         plan_smem = cluster_smem_bytes(cap, plan.cluster, plan.threads)
         plan = ClusterPlan(plan.cluster, cap, plan_smem, plan.threads)
-    if page_table is not None:
-        _check_page_table(page_table, page_bits, rows, x.device)
     if rows == 0:
         return plan
     aligned = x.data_ptr() % 16 == 0 and stride_r % 4 == 0
@@ -571,16 +573,6 @@ def launch_cuda_topk_cluster(
     _launch(mod, fn, (plan.cluster, rows, 1), plan.threads, smem, x, stride_r, row_lens, active,
             out, k, sel_width, nan_low, cluster_tail(plan.cap, lens_early, page_table, page_bits), pdl=pdl)
     return plan
-
-
-def _check_page_table(page_table: torch.Tensor, page_bits: int, rows: int, device: torch.device) -> None:
-    ok = (page_table.dtype == torch.int32 and page_table.dim() == 2 and page_table.shape[0] >= rows
-          and (page_table.shape[1] <= 1 or page_table.stride(1) == 1) and page_table.device == device
-          and 0 <= page_bits <= MAX_PAGE_BITS)
-    if not ok:
-        raise ValueError(f"cuda top-k: page_table must be int32 [>= rows={rows}, pages] with contiguous "
-                         f"rows on {device} and page_bits in [0, {MAX_PAGE_BITS}]; got {page_table.dtype} "
-                         f"{tuple(page_table.shape)} on {page_table.device}, page_bits={page_bits}")
 
 
 def cluster_tail(cap: int, lens_early: bool = False, page_table: torch.Tensor | None = None,

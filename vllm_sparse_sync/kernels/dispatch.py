@@ -56,9 +56,7 @@ def topk_indices(logits, row_lens, k, *, active_width=None, workspace=None, out=
 def page_table_slots(indices, page_table, page_size):
     """See ``reference.page_table_slots`` (on CUDA: one Triton launch, then ``indices`` unchanged)."""
     if _uses_triton(indices):
-        bits = reference.check_page_table(page_table, page_size, indices.shape[0], indices.device)
-        reference._check(indices.dim() == 2 and indices.dtype == torch.int32, "indices",
-                         f"must be int32 [rows, k], got {indices.dtype} {tuple(indices.shape)}")
+        bits = reference.check_slot_inputs(indices, page_table, page_size)
         from .triton_slots import launch_page_slots
 
         out = indices.clone(memory_format=torch.contiguous_format)

@@ -275,13 +275,19 @@ def check_page_table(page_table: object, page_size: object, rows: int, device: t
     return size.bit_length() - 1
 
 
+def check_slot_inputs(indices: object, page_table: object, page_size: object) -> int:
+    """log2 of ``page_size`` once ``indices`` (int32 ``[rows, k]``) and ``page_table`` can be mapped."""
+    _check(isinstance(indices, torch.Tensor), "indices", f"must be a tensor, got {type(indices).__name__}")
+    _check(indices.dim() == 2 and indices.dtype == torch.int32, "indices",
+           f"must be int32 [rows, k], got {indices.dtype} {tuple(indices.shape)}")
+    return check_page_table(page_table, page_size, indices.shape[0], indices.device)
+
+
 def page_table_slots(indices: torch.Tensor, page_table: torch.Tensor, page_size: int) -> torch.Tensor:
     """KV-cache slots of top-k positions ``int32 [rows, k]``: ``page_table[r, p // page_size] *
     page_size + p % page_size`` for each position ``p >= 0`` of row ``r`` whose page is in the
     table, ``-1`` elsewhere."""
-    _check(indices.dim() == 2 and indices.dtype == torch.int32, "indices",
-           f"must be int32 [rows, k], got {indices.dtype} {tuple(indices.shape)}")
-    bits = check_page_table(page_table, page_size, indices.shape[0], indices.device)
+    bits = check_slot_inputs(indices, page_table, page_size)
     if page_table.shape[1] == 0:
         return torch.full_like(indices, -1)
     pos = indices.to(torch.int64)
