@@ -485,3 +485,28 @@ def test_topk_slots_compares_ours_with_the_fastest_checked_peer_and_reads_shapes
     monkeypatch.setattr(slots.torch.cuda, "is_available", lambda: False)
     code = main_exit_code(slots, ["--shapes", "1x4096"], monkeypatch)
     assert code == "topk_slots.py times CUDA kernels: no CUDA device here"
+
+
+def test_ptx_diff_sees_through_numbering_and_names_but_not_an_instruction():
+    pd = load_benchmark("ptx_diff")
+    old = """.visible .entry topk_cluster_c1_t512_a1(
+\t.param .u64 topk_cluster_c1_t512_a1_param_0
+)
+.maxntid 512, 1, 1
+{
+\t.reg .b32 \t%r<9>;
+\t.shared .align 4 .b8 _ZZ16topk_cluster_rowILi1ELi512ELb1EEvPKfE2sc[1052];
+\tld.param.u64 \t%rd1, [topk_cluster_c1_t512_a1_param_0];
+\tld.shared.u32 \t%r3, [_ZZ16topk_cluster_rowILi1ELi512ELb1EEvPKfE2sc+648];
+\tcall _Z14split_smem_rowILi8ELi1024ELb1EEvPKfiiPi, (%r3);
+$L__BB0_2:
+\tbra.uni \t$L__BB0_2;
+}"""
+    renumbered = (old.replace("%r3", "%r13").replace("%rd1", "%rd7").replace("BB0_2", "BB4_9")
+                  .replace("[1052]", "[1068]").replace("ILi1ELi512ELb1EE", "ILi1ELi512ELb1ELb0EE")
+                  .replace("ILi8ELi1024ELb1EE", "ILi8ELi1024ELb1ELb0EE").replace("<9>", "<12>"))
+    assert list(pd.entries(old)) == ["topk_cluster_c1_t512_a1"]
+    assert pd.compare(pd.entries(old), pd.entries(renumbered)) == {"topk_cluster_c1_t512_a1": "same"}
+    vectorised = renumbered.replace("ld.shared.u32", "ld.shared.v2.u32")  # run 204's difference
+    assert pd.compare(pd.entries(old), pd.entries(vectorised)) == {"topk_cluster_c1_t512_a1": "differs"}
+    assert pd.compare(pd.entries(old), {}) == {"topk_cluster_c1_t512_a1": "gone"}
