@@ -1399,6 +1399,20 @@ __device__ __forceinline__ void topk_reg_body(const float* __restrict__ x, int n
     u32 gt = 0u, eq = 0u;
     FOR_GROUP_SLOTS(if (key[i] > kv) gt |= 1u << i; if (key[i] == kv) eq |= 1u << i;)
     const u32 sel = (gt & live) | (eq & upto);
+    // SLOTS with pages of at least 4 slots: each selected group's page entry (its 4 positions share
+    // a page: lo and 4 * tid are multiples of 4) in flight across the scan, instead of one
+    // dependent load a key after it (sc.page_row is set before the first barrier)
+    const bool pre = SLOTS && sc.page_bits >= 2;
+    u32 pg[J];
+#pragma unroll
+    for (int j = 0; j < J; ++j) {
+        pg[j] = 0u;
+        if (pre && j < jn && ((sel >> (4 * j)) & 15u) != 0u) {
+            const int g = (lo + REG_POS(4 * j)) >> sc.page_bits;
+            const int* t = reinterpret_cast<const int*>(((unsigned long long)sc.page_row[1] << 32) | sc.page_row[0]);
+            if (g < sc.pages) pg[j] = (u32)__ldg(t + g);
+        }
+    }
     reg_group_counts<W>(sel, v);
     reg_packed_scan<ACT, BAR, W>(v, excl, total, sc.scan);
     u32 run = 0u;
@@ -1424,7 +1438,13 @@ __device__ __forceinline__ void topk_reg_body(const float* __restrict__ x, int n
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
             if ((g >> c) & 1u) {
-                *dst = out_index<SLOTS>(sc, lo + REG_POS(4 * j + c));
+                const int p = lo + REG_POS(4 * j + c);
+                if (pre)  // page_slot's value, from the entry loaded before the scan
+                    *dst = (p >> sc.page_bits) < sc.pages
+                               ? (int)((pg[j] << sc.page_bits) | (u32)(p & ((1 << sc.page_bits) - 1)))
+                               : -1;
+                else
+                    *dst = out_index<SLOTS>(sc, p);
                 ++dst;
             }
         }
