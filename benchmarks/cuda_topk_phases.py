@@ -14,6 +14,9 @@ rounds in rotated order (a source timed first reads faster at one 4K row), the m
 each source's shared memory is sized by its own layout of the pass counts (``source_plan``), and
 each source's whole kernel (stop 99) is checked to select what the first source's does
 (``output``: same or differs) and reported with its registers and spilled bytes (ptxas);
+``--slots 64`` times the slots entries instead (the slots module's source, ``TOPK_SLOTS_MODULE``:
+the top-k written as KV-cache slots through a page table of distinct random pages of that size
+per row, as ``benchmarks/topk_slots.py`` gives them), copies side by side as above.
 ``--logits indexer --per-seed`` times benchmarks/indexer.py's
 logits of each seed on its own (the top-k's time follows how many keys share the threshold's
 bins). Only the kernels the cases launch are compiled, the cuts in parallel.
@@ -168,13 +171,38 @@ def parse_cases(text: str, sm_count: int, smem_optin: int) -> list[tuple]:
     return cases
 
 
-def cut_calls(mod, fn, plan, cluster: int, xs: list, lens, out, ncalls: int) -> list:
-    """``ncalls`` launches of one cut kernel over rotating inputs, as a list of calls."""
+SLOTS_DEFINE = "TOPK_SLOTS_MODULE=1"  # the slots module's entries (cuda_topk.SLOTS_OPTIONS)
+
+
+def slots_page_bits(page_size: int) -> int:
+    """log2 of ``--slots``'s page size (a power of two up to 2 ** reference.MAX_PAGE_BITS)."""
+    from vllm_sparse_sync.kernels import reference as ref
+
+    if page_size < 1 or page_size & (page_size - 1) or page_size > 2 ** ref.MAX_PAGE_BITS:
+        raise ValueError(f"--slots: the page size must be a power of two up to {2 ** ref.MAX_PAGE_BITS}, "
+                         f"got {page_size}")
+    return page_size.bit_length() - 1
+
+
+def slots_page_table(rows: int, width: int, page_bits: int, seed: int, device) -> torch.Tensor:
+    """int32 ``[rows, pages]``: distinct random physical pages per row, enough pages for ``width``
+    positions."""
+    pages = -(-width >> page_bits)
+    g = torch.Generator().manual_seed(seed)
+    return torch.stack([torch.randperm(2 * pages + 1, generator=g)[:pages] for _ in range(rows)]).to(
+        device=device, dtype=torch.int32)
+
+
+def cut_calls(mod, fn, plan, cluster: int, xs: list, lens, out, ncalls: int,
+              page_table: torch.Tensor | None = None, page_bits: int = 0) -> list:
+    """``ncalls`` launches of one cut kernel over rotating inputs, as a list of calls (a slots
+    entry's with ``page_table``)."""
     rows, width = xs[0].shape
+    tail = cuda_topk.cluster_tail(plan.cap, False, page_table, page_bits)
 
     def call(x):
         return lambda: cuda_topk._launch(mod, fn, (cluster, rows, 1), plan.threads, plan.smem, x, width, lens,
-                                         None, out, K, width, True, cuda_topk.cluster_tail(plan.cap))
+                                         None, out, K, width, True, tail)
 
     return [call(xs[i % len(xs)]) for i in range(ncalls)]
 
@@ -237,6 +265,9 @@ def main() -> None:
                     help="time this copy of cuda_topk.cu instead of the library's (e.g. an earlier "
                          "commit's); "
                          "repeatable: the copies side by side (--source '' names the library's)")
+    ap.add_argument("--slots", type=int, default=0, metavar="PAGE",
+                    help="time the slots entries, writing KV-cache slots through a random page table "
+                         "of pages of PAGE slots (a power of two, e.g. 64)")
     ap.add_argument("--per-seed", action="store_true", help="time each input copy (seed) on its own")
     ap.add_argument("--rounds", type=int, default=20,
                     help="replays of each cut's graph, every source and cut of a case in turn each "
@@ -253,6 +284,13 @@ def main() -> None:
         ap.error(f"--define wants NAME=VALUE, got {bad}")
     if a.rounds < 1:
         ap.error(f"--rounds: must be >= 1, got {a.rounds}")
+    page_bits = 0
+    if a.slots:
+        try:
+            page_bits = slots_page_bits(a.slots)
+        except ValueError as e:
+            ap.error(str(e))
+    defines = tuple(a.define) + ((SLOTS_DEFINE,) if a.slots else ())
     if not torch.cuda.is_available():
         print("error: needs a CUDA device", file=sys.stderr)
         sys.exit(2)
@@ -275,7 +313,7 @@ def main() -> None:
                 ap.error(f"--source {src or 'library'}, case {C}:{B}x{L}: {e}")
     keep = {(c[0], c[4].threads) for c in cases}
     jobs = [(src, stop) for src in sources for stop in stops]
-    texts = [cut_source(stop, tuple(a.define), bases.get(src), keep) for src, stop in jobs]
+    texts = [cut_source(stop, defines, bases.get(src), keep) for src, stop in jobs]
     arch = f"sm_{major}{minor}"
     print(f"compiling {len(jobs)} cuts in parallel ...", flush=True)
     spawn = multiprocessing.get_context("spawn")  # NVRTC only: no CUDA context in the workers
@@ -287,7 +325,8 @@ def main() -> None:
     logs = {job: log for job, (_, log) in zip(jobs, built)}
     rows_out = []
     for C, B, L, W, plan in cases:
-        name = cuda_topk.cluster_kernel_name(C, True, plan.threads)
+        name = cuda_topk.cluster_kernel_name(C, True, plan.threads, slots=bool(a.slots))
+        table = slots_page_table(B, W, page_bits, B + L, "cuda") if a.slots else None
         g = torch.Generator(device="cuda").manual_seed(B + L)
         if a.logits == "indexer":
             xs = [indexer_logits(B, L, W, seed) for seed in seeds]
@@ -304,20 +343,23 @@ def main() -> None:
                 for stop in stops:
                     fn = cuda_topk.load_cluster_function(driver, modules[(src, stop)], name, plans[src].smem)
                     fns[(src, stop)] = fn
-                    named[(src, stop)] = cut_calls(fake, fn, plans[src], C, inputs, lens, out, a.ncalls)
+                    named[(src, stop)] = cut_calls(fake, fn, plans[src], C, inputs, lens, out, a.ncalls,
+                                                   table, page_bits)
             times = interleaved_replay_us(named, a.rounds)
             first = None
             for src in sources:
                 res = {"C": C, "B": B, "L": L, "W": W, "cap": plan.cap, "threads": plan.threads,
                        "logits": a.logits, "seeds": [seeds[i] for i in group], "mean": a.mean, "std": a.std,
-                       "defines": a.define, "source": src, "rounds": a.rounds}
+                       "defines": a.define, "slots": a.slots, "source": src, "rounds": a.rounds}
                 for stop in stops:
                     res[NAMES[stop]] = times[(src, stop)]
                 used = kernel_resources(logs[(src, 99)], name) if 99 in stops else None
                 if used is not None:
                     res["registers"], res["spill_bytes"] = used
                 if 99 in stops:  # the whole kernel's selection, against the first source's
-                    cut_calls(fake, fns[(src, 99)], plans[src], C, inputs[:1], lens, out, 1)[0]()
+                    once = cut_calls(fake, fns[(src, 99)], plans[src], C, inputs[:1], lens, out, 1,
+                                     table, page_bits)
+                    once[0]()
                     got = out.clone()
                     first = got if first is None else first
                     res["output"] = "same" if same_sets(got, first) else "differs"
@@ -329,7 +371,7 @@ def main() -> None:
                     parts.append(f"{NAMES[stop]} {t - prev:+.2f}")
                     prev = t
                 print(f"C={C} B={B} L={L} W={W} cap={plan.cap} threads={plan.threads} seeds={res['seeds']} "
-                      f"{' '.join(a.define)} {src or 'library'} "
+                      f"{' '.join(a.define)}{f' slots of {a.slots}' if a.slots else ''} {src or 'library'} "
                       f"total {res[NAMES[stops[-1]]]:.2f} us: " + ", ".join(parts)
                       + (f" (output {res['output']})" if "output" in res else "")
                       + (f" [{used[0]} registers, {used[1]} bytes spilled]" if used is not None else ""),

@@ -534,6 +534,28 @@ def test_phase_cuts_anchor_in_the_library_source():
         ph.keep_kernels(source, {(3, 1024)})
 
 
+def test_the_phase_tool_times_the_slots_entries():
+    """benchmarks/cuda_topk_phases.py --slots PAGE: the slots module's entry of a cut source (the
+    one the tool launches, by the library's name), a page table of distinct pages per row that
+    covers the width, and a page size that is not a power of two up to 2^20 refused."""
+    ph = _phases_tool()
+    assert ph.slots_page_bits(64) == 6 and ph.slots_page_bits(1) == 0
+    for bad in (0, 48, 2 ** 21):
+        with pytest.raises(ValueError, match="power of two"):
+            ph.slots_page_bits(bad)
+    table = ph.slots_page_table(3, 4097, 6, 5, "cpu")
+    assert table.dtype == torch.int32 and tuple(table.shape) == (3, 65)
+    assert all(len(set(row.tolist())) == 65 for row in table)
+    ok, why = cuda_topk.compiler_status()
+    if not ok:
+        pytest.skip(why)
+    text = ph.cut_source(99, (ph.SLOTS_DEFINE,), keep={(1, 512)})
+    cubin, _ = cuda_topk.compile_source("sm_90a", text=text)
+    name = cuda_topk.cluster_kernel_name(1, True, 512, slots=True)
+    positions = cuda_topk.cluster_kernel_name(1, True, 512).encode() + b"\0"
+    assert name.encode() in cubin and positions not in cubin
+
+
 class _FakeDriver:
     """What load_cluster_function asks of cuda-bindings' driver, recorded."""
 
