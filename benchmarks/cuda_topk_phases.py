@@ -16,7 +16,7 @@ each source's whole kernel (stop 99) is checked to select what the first source'
 (``output``: same or differs) and reported with its registers and spilled bytes (ptxas);
 ``--slots 64`` times the slots entries instead (the slots module's source, ``TOPK_SLOTS_MODULE``:
 the top-k written as KV-cache slots through a page table of distinct random pages of that size
-per row, as ``benchmarks/topk_slots.py`` gives them), copies side by side as above.
+per row), copies side by side as above.
 ``--logits indexer --per-seed`` times benchmarks/indexer.py's
 logits of each seed on its own (the top-k's time follows how many keys share the threshold's
 bins). Only the kernels the cases launch are compiled, the cuts in parallel.
@@ -44,6 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from graph_timer import graph_replay_us, interleaved_replay_us  # noqa: E402
 
 from vllm_sparse_sync.kernels import cuda_topk  # noqa: E402
+from vllm_sparse_sync.kernels import reference as ref  # noqa: E402
 
 K = 2048
 # (stop, anchor in cuda_topk.cu, code inserted before it): each stop ends the kernel there
@@ -174,16 +175,6 @@ def parse_cases(text: str, sm_count: int, smem_optin: int) -> list[tuple]:
 SLOTS_DEFINE = "TOPK_SLOTS_MODULE=1"  # the slots module's entries (cuda_topk.SLOTS_OPTIONS)
 
 
-def slots_page_bits(page_size: int) -> int:
-    """log2 of ``--slots``'s page size (a power of two up to 2 ** reference.MAX_PAGE_BITS)."""
-    from vllm_sparse_sync.kernels import reference as ref
-
-    if page_size < 1 or page_size & (page_size - 1) or page_size > 2 ** ref.MAX_PAGE_BITS:
-        raise ValueError(f"--slots: the page size must be a power of two up to {2 ** ref.MAX_PAGE_BITS}, "
-                         f"got {page_size}")
-    return page_size.bit_length() - 1
-
-
 def slots_page_table(rows: int, width: int, page_bits: int, seed: int, device) -> torch.Tensor:
     """int32 ``[rows, pages]``: distinct random physical pages per row, enough pages for ``width``
     positions."""
@@ -287,9 +278,9 @@ def main() -> None:
     page_bits = 0
     if a.slots:
         try:
-            page_bits = slots_page_bits(a.slots)
+            page_bits = ref.page_size_bits(a.slots)
         except ValueError as e:
-            ap.error(str(e))
+            ap.error(f"--slots: {e}")
     defines = tuple(a.define) + ((SLOTS_DEFINE,) if a.slots else ())
     if not torch.cuda.is_available():
         print("error: needs a CUDA device", file=sys.stderr)

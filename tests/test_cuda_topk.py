@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import re
+import sys
 
 import pytest
 import torch
@@ -534,15 +535,22 @@ def test_phase_cuts_anchor_in_the_library_source():
         ph.keep_kernels(source, {(3, 1024)})
 
 
-def test_the_phase_tool_times_the_slots_entries():
+def test_the_phase_tool_times_the_slots_entries(monkeypatch, capsys):
     """benchmarks/cuda_topk_phases.py --slots PAGE: the slots module's entry of a cut source (the
     one the tool launches, by the library's name), a page table of distinct pages per row that
-    covers the width, and a page size that is not a power of two up to 2^20 refused."""
+    covers the width, and a page size that is not a power of two up to 2^20 refused (the library's
+    check, reference.page_size_bits, whose message the tool prefixes with ``--slots:``)."""
     ph = _phases_tool()
-    assert ph.slots_page_bits(64) == 6 and ph.slots_page_bits(1) == 0
-    for bad in (0, 48, 2 ** 21):
-        with pytest.raises(ValueError, match="power of two"):
-            ph.slots_page_bits(bad)
+    assert ph.ref.page_size_bits(64) == 6 and ph.ref.page_size_bits(1) == 0
+    for bad in (48, 2 ** 21):
+        with pytest.raises(ValueError, match="page_size: must be a power of two"):
+            ph.ref.page_size_bits(bad)
+    with pytest.raises(ValueError, match="page_size: must be >= 1"):
+        ph.ref.page_size_bits(0)
+    monkeypatch.setattr(sys, "argv", ["cuda_topk_phases.py", "--slots", "48"])
+    with pytest.raises(SystemExit) as exit_:  # refused before it looks for a device
+        ph.main()
+    assert exit_.value.code == 2 and "--slots: page_size: must be a power of two" in capsys.readouterr().err
     table = ph.slots_page_table(3, 4097, 6, 5, "cpu")
     assert table.dtype == torch.int32 and tuple(table.shape) == (3, 65)
     assert all(len(set(row.tolist())) == 65 for row in table)

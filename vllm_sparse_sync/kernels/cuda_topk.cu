@@ -846,11 +846,21 @@ struct BodyScratch {
     int page_bits, pages;
 };
 
+// the KV-cache slot of row position p >= 0 whose page's table entry is e (pages of 2^bits slots)
+__device__ __forceinline__ int entry_slot(int e, int bits, int p) {
+    return (e << bits) | (p & ((1 << bits) - 1));
+}
+
 // the KV-cache slot of row position p >= 0 through the row's page table t of `pages` pages of
 // 2^bits slots: t[p >> bits] << bits | p's offset in its page; -1 past the table
 __device__ __forceinline__ int page_slot(const int* t, int bits, int pages, int p) {
     const int g = p >> bits;
-    return g < pages ? (__ldg(t + g) << bits) | (p & ((1 << bits) - 1)) : -1;
+    return g < pages ? entry_slot(__ldg(t + g), bits, p) : -1;
+}
+
+// a slots kernel's row of the page table (BodyScratch keeps the pointer as two words)
+__device__ __forceinline__ const int* page_row_of(const BodyScratch& sc) {
+    return reinterpret_cast<const int*>(((unsigned long long)sc.page_row[1] << 32) | sc.page_row[0]);
 }
 
 // what the output holds for row position p >= 0: p itself, or (SLOTS: a kernel given a page
@@ -858,8 +868,7 @@ __device__ __forceinline__ int page_slot(const int* t, int bits, int pages, int 
 template <bool SLOTS>
 __device__ __forceinline__ int out_index(const BodyScratch& sc, int p) {
     if (!SLOTS) return p;
-    const int* t = reinterpret_cast<const int*>(((unsigned long long)sc.page_row[1] << 32) | sc.page_row[0]);
-    return page_slot(t, sc.page_bits, sc.pages, p);
+    return page_slot(page_row_of(sc), sc.page_bits, sc.pages, p);
 }
 
 // one row (`logits` at its first score) of n > k live keys, on this CTA (`rank` of C) of a
@@ -1403,14 +1412,13 @@ __device__ __forceinline__ void topk_reg_body(const float* __restrict__ x, int n
     // a page: lo and 4 * tid are multiples of 4) in flight across the scan, instead of one
     // dependent load a key after it (sc.page_row is set before the first barrier)
     const bool pre = SLOTS && sc.page_bits >= 2;
-    u32 pg[J];
+    int pg[J];
 #pragma unroll
     for (int j = 0; j < J; ++j) {
-        pg[j] = 0u;
+        pg[j] = 0;
         if (pre && j < jn && ((sel >> (4 * j)) & 15u) != 0u) {
             const int g = (lo + REG_POS(4 * j)) >> sc.page_bits;
-            const int* t = reinterpret_cast<const int*>(((unsigned long long)sc.page_row[1] << 32) | sc.page_row[0]);
-            if (g < sc.pages) pg[j] = (u32)__ldg(t + g);
+            if (g < sc.pages) pg[j] = __ldg(page_row_of(sc) + g);
         }
     }
     reg_group_counts<W>(sel, v);
@@ -1439,12 +1447,9 @@ __device__ __forceinline__ void topk_reg_body(const float* __restrict__ x, int n
         for (int c = 0; c < 4; ++c) {
             if ((g >> c) & 1u) {
                 const int p = lo + REG_POS(4 * j + c);
-                if (pre)  // page_slot's value, from the entry loaded before the scan
-                    *dst = (p >> sc.page_bits) < sc.pages
-                               ? (int)((pg[j] << sc.page_bits) | (u32)(p & ((1 << sc.page_bits) - 1)))
-                               : -1;
-                else
-                    *dst = out_index<SLOTS>(sc, p);
+                // (pre: page_slot's value from the entry loaded before the scan)
+                *dst = !pre ? out_index<SLOTS>(sc, p)
+                            : ((p >> sc.page_bits) < sc.pages ? entry_slot(pg[j], sc.page_bits, p) : -1);
                 ++dst;
             }
         }

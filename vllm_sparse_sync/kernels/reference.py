@@ -269,6 +269,11 @@ def check_page_table(page_table: object, page_size: object, rows: int, device: t
     _check(page_table.shape[1] <= 1 or page_table.stride(1) == 1, "page_table", "must have contiguous rows")
     _check(page_table.device == torch.device(device), "page_table",
            f"must be on {device} (the output's device), got {page_table.device}")
+    return page_size_bits(page_size)
+
+
+def page_size_bits(page_size: object) -> int:
+    """log2 of ``page_size``, a host int power of two up to ``2 ** MAX_PAGE_BITS``."""
     size = _host_int("page_size", page_size, 1)
     _check(size & (size - 1) == 0 and size <= 2 ** MAX_PAGE_BITS, "page_size",
            f"must be a power of two up to {2 ** MAX_PAGE_BITS}, got {size}")
