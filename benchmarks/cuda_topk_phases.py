@@ -47,7 +47,8 @@ from vllm_sparse_sync.kernels import cuda_topk  # noqa: E402
 from vllm_sparse_sync.kernels import reference as ref  # noqa: E402
 
 K = 2048
-# (stop, anchor in cuda_topk.cu, code inserted before it): each stop ends the kernel there
+# (stop, anchor in cuda_topk.cu, code inserted before each line that holds it): each stop ends the
+# kernel there
 CUTS = [
     (1, "    if (n <= k) {  // cluster-uniform",
      "if (STOP_AT == 1) { if (tid == 0) o[0] = n; return; }\n"),
@@ -62,7 +63,7 @@ CUTS = [
 CUTS += [
     (11, "    const u32* totals = hist;",
      "if (STOP_AT == 11) { if (tid == 0) o[0] = (int)hist[7]; return; }\n"),
-    (12, "    find_bin<ACT, BAR>(totals, BINS_A",
+    (12, "find_bin<ACT, BAR>(totals, BINS_A",  # (after `if (!taken)` since the counts module)
      "if (STOP_AT == 12) { if (tid == 0) o[0] = (int)totals[7]; return; }\n"),
     (21, "        totals = h;",
      "if (STOP_AT == 21) { if (tid == 0) o[0] = (int)h[7]; return; }\n"),
@@ -107,7 +108,7 @@ def cut_source(stop: int, defines: tuple[str, ...] = (), base: str | None = None
         base or cuda_topk.source(), keep)
     for _, anchor, code in CUTS:  # in each body that has the phase (registers, shared memory)
         assert text.count(anchor) >= 1, anchor
-        text = text.replace(anchor, code + anchor)
+        text = "".join(code + line if anchor in line else line for line in text.splitlines(keepends=True))
     head = "    const int row = blockIdx.y;\n    const u32 rank"
     assert text.count(head) == 1
     empty = "    if (STOP_AT == 0) { if (threadIdx.x == 0) out[blockIdx.y] = 0; return; }\n"

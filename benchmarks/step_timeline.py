@@ -307,7 +307,7 @@ def main() -> None:
         for name, path, macros in variants:
             scorer_macros = macros
             for kind in ("plain", "stamped"):
-                cuda_topk._MODULES[(index, False)] = topk_modules[(path, kind)]
+                cuda_topk._MODULES[(index, "positions")] = topk_modules[(path, kind)]
                 for part in ("step", "topk"):
                     call = parts[part]
                     calls = [(lambda i=i, call=call: call(i)) for i in range(ncalls)]

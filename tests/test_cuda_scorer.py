@@ -219,11 +219,12 @@ NVRTC_OK, NVRTC_WHY = cuda_topk.compiler_status()
 
 
 @pytest.mark.skipif(not NVRTC_OK, reason=f"NVRTC unavailable: {NVRTC_WHY}")
+@pytest.mark.parametrize("counts", [False, True], ids=["plain", "counts"])
 @pytest.mark.parametrize("consumers", [cuda_scorer.CONSUMERS, cuda_scorer.NARROW_CONSUMERS])
-def test_the_source_compiles_for_sm90a_without_spills(consumers):
-    """Both builds (the default and the narrow one) compile without spills, in the registers
-    their CTA per SM leaves each thread."""
-    defines = cuda_scorer.build_defines(consumers)
+def test_the_source_compiles_for_sm90a_without_spills(consumers, counts):
+    """Both builds (the default and the narrow one), and each one's counts build, compile without
+    spills, in the registers their CTA per SM leaves each thread."""
+    defines = cuda_scorer.build_defines(consumers, counts)
     text = "".join(f"#define {k} {v}\n" for k, v in defines) + cuda_scorer.source()
     _, log = cuda_topk.compile_source(cuda_scorer.ARCH, text=text, name="cuda_scorer.cu",
                                       extra_options=("--ptxas-options=-v",))
@@ -437,3 +438,52 @@ def test_the_dependent_launch_attribute_is_programmatic_stream_serialization():
     attr = cuda_topk.pdl_launch_attribute(driver)
     assert attr.id == driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
     assert attr.value.programmaticStreamSerializationAllowed == 1
+
+
+@pytest.mark.skipif(not NVRTC_OK, reason=f"NVRTC unavailable: {NVRTC_WHY}")
+def test_only_the_counts_build_counts_and_it_takes_two_more_parameters():
+    """``SCORER_COUNTS=1`` adds a global atomic add per written score (the row's pass-A count)
+    and the counts' pointer and row stride to every entry; the plain build has neither."""
+    def ptx(defines):
+        text = "".join(f"#define {k} {v}\n" for k, v in defines) + cuda_scorer.source()
+        code, _ = cuda_topk.compile_source(cuda_scorer.ARCH, output="ptx", text=text, name="cuda_scorer.cu")
+        return code.decode(errors="replace")
+
+    plain, counted = ptx(cuda_scorer.build_defines(4)), ptx(cuda_scorer.build_defines(4, counts=True))
+    entries = re.compile(r"\.entry (score_\w+)\((.*?)\)", re.S)
+    params = {name: body.count(".param") for name, body in entries.findall(plain)}
+    assert params and {name: body.count(".param") for name, body in entries.findall(counted)} == {
+        name: n + 2 for name, n in params.items()}
+    atomics = re.compile(r"(?:red|atom)\.global\.add\.u32")
+    assert not atomics.search(plain)
+    assert len(atomics.findall(counted)) == len(params)  # one site an entry: store_scores
+
+
+def test_the_counts_reach_the_counts_build_and_its_launch(monkeypatch):
+    """``launch_cuda_score(counts=...)`` checks the counts, loads the counts build of the call's
+    row count and passes the counts' pointer and row stride last (CPU: stand-ins record it)."""
+    built, launched = [], []
+    monkeypatch.setattr(cuda_scorer, "module_for",
+                        lambda index, defines=(): built.append(tuple(defines)) or type(
+                            "M", (), {"threads": 544, "function": lambda self, *a: a})())
+    monkeypatch.setattr(cuda_scorer, "_index", lambda device: 0)
+    monkeypatch.setattr(cuda_topk, "launch_values",
+                        lambda mod, fn, grid, threads, smem, values, device, *, pdl: launched.append(values))
+    rows = 3
+    args = (torch.zeros(rows, 64, 128, dtype=torch.uint8), torch.zeros(rows, 64),
+            torch.zeros(4, cuda_scorer.SLOT_BYTES, dtype=torch.uint8),
+            torch.zeros(rows, 2, dtype=torch.int32),
+            torch.zeros(rows, dtype=torch.int32), None, torch.zeros(rows, 128))
+    cfg = ScorerConfig(cuda_narrow_rows=0)
+    counts = torch.zeros(rows + 1, cuda_topk.COUNTS_BINS, dtype=torch.int32)
+    cuda_scorer.launch_cuda_score(*args, page_size=64, sel_width=128, fill_width=0, splits=2, config=cfg,
+                                  counts=counts)
+    cuda_scorer.launch_cuda_score(*args, page_size=64, sel_width=128, fill_width=0, splits=2, config=cfg)
+    assert built == [cuda_scorer.build_defines(4, counts=True), cuda_scorer.build_defines(4)]
+    assert built[0] == (("SCORER_COUNTS", 1),)
+    with_counts, without = launched
+    assert len(with_counts) == len(without) + 2
+    assert with_counts[-2].value == counts.data_ptr() and with_counts[-1].value == cuda_topk.COUNTS_BINS
+    with pytest.raises(ValueError, match="counts"):
+        cuda_scorer.launch_cuda_score(*args, page_size=64, sel_width=128, fill_width=0, splits=2, config=cfg,
+                                      counts=counts[:2])

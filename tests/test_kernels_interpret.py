@@ -481,6 +481,35 @@ def test_only_the_steps_top_k_reads_the_lengths_before_its_wait(monkeypatch):
     assert asked == [True, False, False]
 
 
+@pytest.mark.parametrize("flag, cluster, scorer, ran, slots, handed", [
+    (True, 1, "cuda", "cuda", False, (True, True)),  # the counts' route: the scorer writes, the top-k takes
+    (True, 1, "cuda", "triton", False, (True, False)),  # a call the CUDA scorer is not built for: not taken
+    (False, 1, "cuda", "cuda", False, (False, False)),  # topk.scorer_counts off
+    (True, 8, "cuda", "cuda", False, (False, False)),  # a cluster of 8 CTAs a row: pass A is a cluster's
+    (True, 1, "triton", "triton", False, (False, False)),  # the Triton scorer writes none
+    (True, 1, "cuda", "cuda", True, (False, False)),  # slots: the counts entries write positions
+])
+def test_the_step_hands_the_scorers_counts_to_the_top_k_only_on_their_route(
+        monkeypatch, flag, cluster, scorer, ran, slots, handed):
+    """``topk.scorer_counts``: the step gives the workspace's counts to the scorer and then to the
+    top-k only where the CUDA scorer runs before the one-CTA CUDA top-k writing positions (CPU:
+    the route and both launches are stand-ins that record what they are given)."""
+    from vllm_sparse_sync.kernels.cuda_topk import COUNTS_BINS
+    from vllm_sparse_sync.kernels.route import CUDA_RADIX, Route
+
+    given = {}
+    monkeypatch.setattr(tk, "launch_score", lambda *a, counts=None, **kw: given.update(scorer=counts) or ran)
+    monkeypatch.setattr(tk, "_launch_topk", lambda *a, counts=None, **kw: given.update(topk=counts))
+    case = make_case([300, 90], heads=16, table_pages=6, seed=4)
+    cfg = KernelConfig(topk=TopkConfig(scorer_counts=flag))
+    ws = IndexerTopkWorkspace(2, 16, 384, "cpu", config=cfg, num_sms=4)
+    assert ws.counts.shape == ((2 if flag else 0), COUNTS_BINS)
+    ws.route = lambda *a, **kw: Route(CUDA_RADIX, 2, topk_cluster=cluster, topk_cap=4096, scorer=scorer)
+    tk.indexer_topk(*case.args, 16, width=384, workspace=ws, page_table=case.block_table if slots else None)
+    assert (given["scorer"] is ws.counts, given["topk"] is ws.counts) == handed
+    assert (given["scorer"] is None, given["topk"] is None) == (not handed[0], not handed[1])
+
+
 def _slot_table(rows: int, pages: int, seed: int) -> torch.Tensor:
     """Distinct physical pages per row (the attention's own table, not the indexer's)."""
     g = torch.Generator().manual_seed(seed)

@@ -182,6 +182,11 @@ def test_cuda_radix_config_checks():
     assert KernelConfig().with_values(**{"topk.algo": "cuda_radix"}).topk.algo == "cuda_radix"
     with pytest.raises(ValueError, match="cuda_min_rows"):
         TopkConfig(cuda_min_rows=-1)
+    assert TopkConfig().scorer_counts is False  # until the GPU measures it
+    assert KernelConfig().with_values(**{"topk.scorer_counts": True}).topk.scorer_counts is True
+    for bad in (1, "true", None):
+        with pytest.raises(ValueError, match="topk.scorer_counts"):
+            TopkConfig(scorer_counts=bad)
 
 
 def test_a_cpu_workspace_says_why_it_has_no_cuda_topk():

@@ -161,6 +161,10 @@ class TopkConfig:
     cuda_lens_early: bool = True
     """"cuda_radix" cluster route in a step: the top-k reads the rows' live lengths before it
     waits for the scorer (which does not write them), their round trip beside the scorer's end."""
+    scorer_counts: bool = False
+    """"cuda_radix" at one CTA a row after the CUDA scorer, in a step (positions): the scorer also
+    counts each row's scores into the top-k's pass-A bins (the workspace's ``counts``) and the
+    top-k takes those counts instead of counting the row again. Off until measured on the GPU."""
 
     def __post_init__(self) -> None:
         if self.algo not in TOPK_ALGOS:
@@ -172,7 +176,7 @@ class TopkConfig:
         if (self.cuda_threads, self.cuda_vec) not in ((1024, 4), (1024, 2), (512, 4), (512, 8)):
             raise ValueError("topk.cuda_threads/cuda_vec: one of (1024, 4), (1024, 2), (512, 4), (512, 8), "
                              f"got {(self.cuda_threads, self.cuda_vec)!r}")
-        for name in ("cuda_cluster", "cuda_lens_early"):
+        for name in ("cuda_cluster", "cuda_lens_early", "scorer_counts"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"topk.{name}: True or False, got {getattr(self, name)!r}")
         if not _is_int(self.cuda_min_rows) or self.cuda_min_rows < 0:

@@ -65,7 +65,8 @@ SLOT_BYTES = PAGE * (HEAD_DIM + 4)
 
 
 def source() -> str:
-    return SOURCE_PATH.read_text()
+    """``cuda_scorer.cu`` with its headers in place (``cuda_topk.resolve_includes``)."""
+    return cuda_topk.resolve_includes(SOURCE_PATH.read_text())
 
 
 def consumers_for(rows: int, narrow_rows: int) -> int:
@@ -74,12 +75,15 @@ def consumers_for(rows: int, narrow_rows: int) -> int:
     return NARROW_CONSUMERS if 0 < rows <= narrow_rows else CONSUMERS
 
 
-def build_defines(consumers: int) -> tuple[tuple[str, int], ...]:
-    """The macros of the build with ``consumers`` consumer warpgroups (none for the default)."""
+def build_defines(consumers: int, counts: bool = False) -> tuple[tuple[str, int], ...]:
+    """The macros of the build with ``consumers`` consumer warpgroups (none for the default);
+    ``counts``: the counts build, which also counts each row's scores into the top-k's pass-A bins
+    (``SCORER_COUNTS``; ``topk.scorer_counts``)."""
     if consumers not in (CONSUMERS, NARROW_CONSUMERS):
         raise ValueError(f"cuda scorer: consumers must be {CONSUMERS} or {NARROW_CONSUMERS}, "
                          f"got {consumers!r}")
-    return () if consumers == CONSUMERS else (("CONSUMERS", consumers),)
+    narrow = () if consumers == CONSUMERS else (("CONSUMERS", consumers),)
+    return narrow + ((("SCORER_COUNTS", 1),) if counts else ())
 
 
 def kernel_name(heads: int, precise: bool, stages: int = STAGES_SHORT) -> str:
@@ -208,27 +212,34 @@ def warmup(device: torch.device | str = "cuda") -> None:
 
 def launch_cuda_score(
     q_fp8, weights, k_cache, block_table, row_lens, active, out, *, page_size, sel_width, fill_width,
-    splits, config, module: _Module | None = None,
+    splits, config, module: _Module | None = None, counts: torch.Tensor | None = None,
 ) -> None:
     """The scorer's launch (``config``: a ``ScorerConfig``) on a call ``takes`` accepts; arguments
     as ``triton_scorer.launch_score`` (``module``: a ``module_for`` build; default the device's
-    build for the call's row count, ``consumers_for``)."""
+    build for the call's row count, ``consumers_for``). ``counts`` (``cuda_topk.check_counts``,
+    zero where the call begins): the counts build also adds each written score of row ``r`` into
+    ``counts[r]`` at its pass-A bin, for the one-CTA top-k that reads them next."""
     rows, heads, _ = q_fp8.shape
+    if counts is not None:
+        cuda_topk.check_counts(counts, rows, q_fp8.device)
     mod = module if module is not None else module_for(
-        _index(q_fp8.device), build_defines(consumers_for(rows, config.cuda_narrow_rows)))
+        _index(q_fp8.device), build_defines(consumers_for(rows, config.cuda_narrow_rows), counts is not None))
     stages, deep_tiles = ring()
     fn = mod.function(heads, config.precise, stages)
     values = score_values(q_fp8, weights, k_cache, block_table, row_lens, active, out, page_size=page_size,
-                          sel_width=sel_width, fill_width=fill_width, config=config, deep_tiles=deep_tiles)
+                          sel_width=sel_width, fill_width=fill_width, config=config, deep_tiles=deep_tiles,
+                          counts=counts)
     smem = smem_bytes(heads, config.precise, stages)
     cuda_topk.launch_values(mod, fn, (rows, splits, 1), mod.threads, smem, values, q_fp8.device,
                             pdl=config.pdl)
 
 
 def score_values(q_fp8, weights, k_cache, block_table, row_lens, active, out, *, page_size, sel_width,
-                 fill_width, config, deep_tiles: int = NEVER_DEEP) -> tuple:
+                 fill_width, config, deep_tiles: int = NEVER_DEEP,
+                 counts: torch.Tensor | None = None) -> tuple:
     """The kernel's parameters (ctypes values) for a call ``takes`` accepts (``deep_tiles``: live
-    tiles from which a program of the deep-ring kernel runs all its slots)."""
+    tiles from which a program of the deep-ring kernel runs all its slots; ``counts``: the counts
+    build's two more, the counts' pointer and row stride)."""
     for name, t in (("row_lens", row_lens), ("active_width", active)):
         if t is not None and t.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"cuda scorer: {name} must be int32 or int64, got {t.dtype}")
@@ -252,4 +263,4 @@ def score_values(q_fp8, weights, k_cache, block_table, row_lens, active, out, *,
         ctypes.c_int(fill_width),
         ctypes.c_int(int(config.launch_dependents)),
         ctypes.c_int(deep_tiles),
-    )
+    ) + (() if counts is None else (ctypes.c_void_p(counts.data_ptr()), ctypes.c_longlong(counts.stride(0))))

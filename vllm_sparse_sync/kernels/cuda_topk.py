@@ -33,6 +33,8 @@ import torch
 from .reference import MAX_PAGE_BITS, check_page_table
 
 SOURCE_PATH = Path(__file__).with_name("cuda_topk.cu")
+HEADERS = ("cuda_keys.cuh",)
+"""headers the kernel sources include by name (``resolve_includes``): beside this file"""
 # (threads, float4 vectors per thread and tile) compiled in cuda_topk.cu
 VARIANTS = ((1024, 4), (1024, 2), (512, 4), (512, 8))
 MIN_CAPABILITY = (7, 0)
@@ -46,6 +48,11 @@ SLOTS_OPTIONS = ("-DTOPK_SLOTS_MODULE=1",)
 """the NVRTC options of the slots module: the cluster kernels' entries that write KV-cache slots
 through a page table, compiled on a page table's first use (the library's module stays as fast to
 compile as without them)"""
+COUNTS_OPTIONS = ("-DTOPK_COUNTS_MODULE=1",)
+"""the NVRTC options of the counts module: the one-CTA entries whose pass A takes the counts the
+CUDA scorer's counts build wrote (``topk.scorer_counts``), compiled on the first such step"""
+COUNTS_BINS = 4096
+"""a row's pass-A counts (the source's ``COUNTS_BINS``: ``cuda_topk_emu.solo_bin``'s bins)"""
 PORTABLE_CLUSTER = 8
 """the largest cluster every sm_90+ device launches; 16 needs the non-portable opt-in and a device
 that can hold 16 such CTAs in one GPC (``_Module.cluster16``)"""
@@ -58,8 +65,24 @@ STATIC_SMEM_RESERVE = 1536
 """bytes of the opt-in shared memory left to a cluster kernel's static share"""
 
 
+def resolve_includes(text: str) -> str:
+    """``text`` with each line ``#include "NAME"`` of a ``HEADERS`` name replaced by that header's
+    text (NVRTC is given whole sources: the compile and the on-disk cache's key see one text)."""
+    lines = []
+    for line in text.splitlines(keepends=True):
+        head = line.split("//", 1)[0].strip()
+        if head.startswith("#include"):
+            name = head[len("#include"):].strip().strip('"')
+            if name in HEADERS:
+                lines.append(SOURCE_PATH.with_name(name).read_text())
+                continue
+        lines.append(line)
+    return "".join(lines)
+
+
 def source() -> str:
-    return SOURCE_PATH.read_text()
+    """``cuda_topk.cu`` with its headers in place (``resolve_includes``)."""
+    return resolve_includes(SOURCE_PATH.read_text())
 
 
 def kernel_name(threads: int, vec: int, aligned: bool) -> str:
@@ -68,13 +91,19 @@ def kernel_name(threads: int, vec: int, aligned: bool) -> str:
     return f"topk_radix_t{threads}_v{vec}_a{int(bool(aligned))}"
 
 
-def cluster_kernel_name(cluster: int, aligned: bool, threads: int = 1024, slots: bool = False) -> str:
-    """The cluster kernel's entry; ``slots``: the one that writes slots through a page table."""
+def cluster_kernel_name(cluster: int, aligned: bool, threads: int = 1024, slots: bool = False,
+                        counts: bool = False) -> str:
+    """The cluster kernel's entry; ``slots``: the one that writes slots through a page table;
+    ``counts``: the one-CTA one that takes the scorer's pass-A counts (the counts module)."""
     if cluster not in CLUSTER_SIZES:
         raise ValueError(f"cuda top-k: cluster size must be one of {CLUSTER_SIZES}, got {cluster!r}")
     if threads not in CLUSTER_THREADS:
         raise ValueError(f"cuda top-k: cluster threads must be one of {CLUSTER_THREADS}, got {threads!r}")
-    return f"topk_cluster_c{cluster}_t{threads}_a{int(bool(aligned))}{'_slots' if slots else ''}"
+    if counts and (cluster != 1 or slots):
+        raise ValueError("cuda top-k: the counts entries are one CTA a row, positions "
+                         f"(got cluster={cluster}, slots={slots})")
+    suffix = "_slots" if slots else ("_counts" if counts else "")
+    return f"topk_cluster_c{cluster}_t{threads}_a{int(bool(aligned))}{suffix}"
 
 
 def cluster_chunk_cap(sel_width: int, cluster: int) -> int:
@@ -263,7 +292,8 @@ def compile_source(
     num = arch.split("_", 1)[1]
     target = f"compute_{num}" if output == "ptx" else f"sm_{num}"
     prog = _check(
-        nvrtc.nvrtcCreateProgram((source() if text is None else text).encode(), name.encode(), 0, [], []),
+        nvrtc.nvrtcCreateProgram(resolve_includes(source() if text is None else text).encode(), name.encode(),
+                                 0, [], []),
         "nvrtcCreateProgram",
     )
     try:
@@ -308,18 +338,23 @@ def module_cubin(arch: str, *, text: str | None = None, name: str = "cuda_topk.c
     compiler, else compiled by ``compile_source`` and stored."""
     from . import nvrtc_cache
 
-    body = source() if text is None else text
+    body = resolve_includes(source() if text is None else text)
     return nvrtc_cache.cached(
         lambda: compile_source(arch, text=body, name=name, extra_options=extra_options)[0],
         text=body, name=name, target=arch, options=extra_options, compiler=compiler_identity(),
         environ=environ)
 
 
-class _Module:
-    """The compiled module of one device (``slots``: the slots module): its context and kernel
-    handles."""
+MODULE_OPTIONS = {"positions": (), "slots": SLOTS_OPTIONS, "counts": COUNTS_OPTIONS}
+"""each module of the source by its kind: the library's (the positions entries and the rest), the
+slots entries', the counts entries'"""
 
-    def __init__(self, index: int, slots: bool = False) -> None:
+
+class _Module:
+    """The compiled module of one device (``kind``: a ``MODULE_OPTIONS`` key): its context and
+    kernel handles."""
+
+    def __init__(self, index: int, kind: str = "positions") -> None:
         driver, _ = _bindings()
         self.driver = driver
         self.index = index
@@ -330,8 +365,9 @@ class _Module:
         # torch's runtime uses the device's primary context: the same one
         self.ctx = _check(driver.cuDevicePrimaryCtxRetain(cu_dev), "cuDevicePrimaryCtxRetain")
         _check(driver.cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent")
-        self.slots = slots
-        cubin, self.origin = module_cubin(self.arch, extra_options=SLOTS_OPTIONS if slots else ())
+        self.kind = kind
+        self.slots = kind == "slots"
+        cubin, self.origin = module_cubin(self.arch, extra_options=MODULE_OPTIONS[kind])
         self.module = _check(driver.cuModuleLoadData(cubin), "cuModuleLoadData")
         self.functions: dict[str, object] = {}
         self.smem_set: dict[str, int] = {}
@@ -340,7 +376,7 @@ class _Module:
         per_sm = driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR
         self.smem_per_sm = int(_check(driver.cuDeviceGetAttribute(per_sm, cu_dev), "cuDeviceGetAttribute"))
         self.cluster_ok = self.smem_optin > 0
-        self.cluster16 = self.cluster_ok and self._can_launch_cluster16()
+        self.cluster16 = self.cluster_ok and kind != "counts" and self._can_launch_cluster16()
         self.pdl_attribute = pdl_launch_attribute(driver)
 
     def _can_launch_cluster16(self) -> bool:
@@ -400,17 +436,20 @@ def load_cluster_function(driver, module, name: str, smem: int):
     return fn
 
 
-_MODULES: dict[tuple[int, bool], _Module] = {}
+_MODULES: dict[tuple[int, str], _Module] = {}
 _LOCK = threading.Lock()
 
 
-def module_for(device: torch.device | str | int, slots: bool = False) -> _Module:
+def module_for(device: torch.device | str | int, slots: bool = False, counts: bool = False) -> _Module:
     """The compiled module of a CUDA device (compiles and loads on first use); ``slots``: the
-    slots module (``SLOTS_OPTIONS``)."""
+    slots module (``SLOTS_OPTIONS``); ``counts``: the counts module (``COUNTS_OPTIONS``)."""
+    if slots and counts:
+        raise ValueError("cuda top-k: no module holds entries of both slots and counts")
     index = torch.device(device).index if not isinstance(device, int) else device
     if index is None:
         index = torch.cuda.current_device()
-    key = (index, bool(slots))
+    kind = "slots" if slots else ("counts" if counts else "positions")
+    key = (index, kind)
     mod = _MODULES.get(key)
     if mod is None:
         with _LOCK:
@@ -419,7 +458,7 @@ def module_for(device: torch.device | str | int, slots: bool = False) -> _Module
                 ok, why = status(torch.device("cuda", index))
                 if not ok:
                     raise RuntimeError(f"cuda top-k unavailable: {why}")
-                mod = _Module(index, bool(slots))
+                mod = _Module(index, kind)
                 _MODULES[key] = mod
     return mod
 
@@ -518,6 +557,7 @@ def launch_cuda_topk_cluster(
     lens_early: bool = False,
     page_table: torch.Tensor | None = None,
     page_bits: int = 0,
+    counts: torch.Tensor | None = None,
 ) -> ClusterPlan:
     """A cluster of CTAs per row (``plan_cluster``'s, or ``cluster``): the output of
     ``launch_cuda_topk``, element for element. ``cap`` overrides the keys kept in shared memory
@@ -530,7 +570,11 @@ def launch_cuda_topk_cluster(
     has completed (a step's scorer: plain, or a dependent launch that waits before it lets its
     dependents launch). ``page_table`` (int32 ``[>= rows, pages]``, contiguous rows; pages of
     ``2 ** page_bits`` slots): the output holds each position's KV-cache slot
-    (``reference.page_table_slots``), written by the same launch. Returns the plan launched.
+    (``reference.page_table_slots``), written by the same launch. ``counts`` (``check_counts``; one
+    CTA a row, positions): each row's pass-A counts as the stream's previous kernel, the CUDA
+    scorer's counts build, wrote them for these scores; a row takes them where they sum to its
+    live length (else it counts itself: the same output either way), and the launch leaves every
+    row's counts zero. Returns the plan launched.
 
     ``x`` must hold at least ``sel_width`` columns: the kernel may read any of them before it
     knows a row's live length (a ``ValueError`` names the shape otherwise).
@@ -546,7 +590,12 @@ def launch_cuda_topk_cluster(
         if not 0 <= page_bits <= MAX_PAGE_BITS:
             raise ValueError(f"page_bits: must be in [0, {MAX_PAGE_BITS}], got {page_bits}")
         check_page_table(page_table, 1 << page_bits, rows, x.device)
-    mod = module_for(_check_launch_args(x, row_lens, active, out, k, sel_width), slots=page_table is not None)
+    if counts is not None:
+        if page_table is not None:
+            raise ValueError("counts: the counts entries write positions; pass no page_table with them")
+        check_counts(counts, rows, x.device)
+    mod = module_for(_check_launch_args(x, row_lens, active, out, k, sel_width), slots=page_table is not None,
+                     counts=counts is not None)
     if not mod.cluster_ok:
         raise ValueError(
             f"cuda top-k: the cluster route needs compute capability >= {CLUSTER_MIN_CAPABILITY}")
@@ -565,14 +614,37 @@ def launch_cuda_topk_cluster(
             raise ValueError(f"cuda top-k: cap must be a multiple of 4 in [4, {plan.cap}], got {cap}")
         plan_smem = cluster_smem_bytes(cap, plan.cluster, plan.threads)
         plan = ClusterPlan(plan.cluster, cap, plan_smem, plan.threads)
+    if counts is not None and plan.cluster != 1:
+        raise ValueError(f"counts: the counts entries run one CTA a row; this call's plan is {plan.cluster} "
+                         "CTAs (pass cluster=1)")
     if rows == 0:
         return plan
     aligned = x.data_ptr() % 16 == 0 and stride_r % 4 == 0
     smem = launch_smem(plan, rows, mod.sm_count, mod.smem_per_sm, mod.smem_optin, pdl)
-    fn = mod.function(cluster_kernel_name(plan.cluster, aligned, plan.threads, page_table is not None), smem)
+    fn = mod.function(cluster_kernel_name(plan.cluster, aligned, plan.threads, page_table is not None,
+                                          counts is not None), smem)
+    tail = cluster_tail(plan.cap, lens_early, page_table, page_bits)
+    if counts is not None:
+        tail += (ctypes.c_void_p(counts.data_ptr()), ctypes.c_longlong(counts.stride(0)))
     _launch(mod, fn, (plan.cluster, rows, 1), plan.threads, smem, x, stride_r, row_lens, active,
-            out, k, sel_width, nan_low, cluster_tail(plan.cap, lens_early, page_table, page_bits), pdl=pdl)
+            out, k, sel_width, nan_low, tail, pdl=pdl)
     return plan
+
+
+def check_counts(counts: torch.Tensor, rows: int, device: torch.device) -> None:
+    """A ``ValueError`` unless ``counts`` can hold ``rows`` rows' pass-A counts on ``device``: int32
+    ``[>= rows, COUNTS_BINS]`` with contiguous, 16-byte aligned rows (host metadata only)."""
+    if not isinstance(counts, torch.Tensor):
+        raise ValueError(f"counts: must be a tensor, got {type(counts).__name__}")
+    if counts.dtype != torch.int32 or counts.dim() != 2 or counts.shape[1] != COUNTS_BINS:
+        raise ValueError(f"counts: must be int32 [rows, {COUNTS_BINS}], got {counts.dtype} "
+                         f"{tuple(counts.shape)}")
+    if counts.shape[0] < rows:
+        raise ValueError(f"counts: {counts.shape[0]} rows for a call of {rows}")
+    if counts.device != torch.device(device):
+        raise ValueError(f"counts: on {counts.device}, the call on {device}")
+    if counts.stride(1) != 1 or counts.stride(0) % 4 or counts.data_ptr() % 16:
+        raise ValueError("counts: rows must be contiguous and 16-byte aligned (row stride a multiple of 4)")
 
 
 def cluster_tail(cap: int, lens_early: bool = False, page_table: torch.Tensor | None = None,

@@ -28,17 +28,19 @@ def scorer_kind(rows: int, page: int, device: torch.device, config, width: int =
 
 
 def launch_score(q_fp8, weights, k_cache, block_table, row_lens, active, out, *, page_size, sel_width,
-                 fill_width, splits, config, kind: str) -> str:
+                 fill_width, splits, config, kind: str, counts: torch.Tensor | None = None) -> str:
     """Score ``out`` (arguments as ``triton_scorer.launch_score``; ``config``: a ``ScorerConfig``)
     with the ``kind`` of kernel the route chose (``route.scorer_for``); a call the CUDA kernel is
-    not built for runs on Triton. Returns the kind run."""
+    not built for runs on Triton. ``counts``: where the CUDA kernel runs, its counts build also
+    writes the top-k's pass-A counts there (``cuda_scorer.launch_cuda_score``); Triton leaves them.
+    Returns the kind run."""
     if kind == CUDA:
         from . import cuda_scorer
 
         if cuda_scorer.takes(q_fp8, k_cache, block_table, page_size, splits):
             cuda_scorer.launch_cuda_score(q_fp8, weights, k_cache, block_table, row_lens, active, out,
                                           page_size=page_size, sel_width=sel_width, fill_width=fill_width,
-                                          splits=splits, config=config)
+                                          splits=splits, config=config, counts=counts)
             return CUDA
     from .triton_scorer import launch_score as launch_triton_score
 

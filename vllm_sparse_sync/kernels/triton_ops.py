@@ -11,7 +11,7 @@ import torch
 
 from . import reference as ref
 from .config import DEFAULT_CONFIG, KernelConfig
-from .route import CUDA_RADIX, SAMPLE, Route, score_splits
+from .route import CUDA, CUDA_RADIX, SAMPLE, Route, score_splits
 from .scorer import launch_score, scorer_kind
 from .triton_cache import write_k_cache_kernel
 from .triton_fused import launch_fused_step
@@ -163,11 +163,13 @@ def _slots(out: torch.Tensor, pages: tuple | None) -> None:
 
 
 def _launch_topk(route: Route, logits, row_lens, active_width, ws, out, k, width, *,
-                 nan_low: bool, after_scorer: bool = False, pages: tuple | None = None) -> None:
+                 nan_low: bool, after_scorer: bool = False, pages: tuple | None = None,
+                 counts: torch.Tensor | None = None) -> None:
     """The route's top-k launches; ``nan_low=False`` for scores from the scorer (NaN negative).
     ``after_scorer``: the stream's previous kernel is this step's scorer (which does not write
     ``row_lens`` or ``active_width``). ``pages``: (page table, log2 page size), the output as
-    KV-cache slots: written by the cluster top-k itself, by a transform launch after the others."""
+    KV-cache slots: written by the cluster top-k itself, by a transform launch after the others.
+    ``counts``: the pass-A counts that scorer wrote (``scorer_counts_for``)."""
     if route.kind == CUDA_RADIX and route.topk_cluster:
         from .cuda_topk import launch_cuda_topk_cluster
 
@@ -175,7 +177,7 @@ def _launch_topk(route: Route, logits, row_lens, active_width, ws, out, k, width
                                  nan_low=nan_low, cluster=route.topk_cluster, cap=route.topk_cap,
                                  lens_early=after_scorer and ws.config.topk.cuda_lens_early,
                                  page_table=None if pages is None else pages[0],
-                                 page_bits=0 if pages is None else pages[1])
+                                 page_bits=0 if pages is None else pages[1], counts=counts)
         return
     _launch_positions(route, logits, row_lens, active_width, ws, out, k, width, nan_low=nan_low)
     _slots(out, pages)
@@ -294,11 +296,21 @@ def indexer_topk(
         _slots(out, pages)
         return out
     logits = ws.logits
-    launch_score(
+    counts = scorer_counts_for(route, ws, pages)
+    ran = launch_score(
         q_fp8, weights, k_cache, block_table, row_lens, active_width, logits, page_size=page,
         sel_width=width, fill_width=0, splits=route.score_splits, config=ws.config.scorer,
-        kind=route.scorer,
+        kind=route.scorer, counts=counts,
     )
     _launch_topk(route, logits, row_lens, active_width, ws, out, k, width, nan_low=False, after_scorer=True,
-                 pages=pages)
+                 pages=pages, counts=counts if ran == CUDA else None)
     return out
+
+
+def scorer_counts_for(route: Route, ws: IndexerTopkWorkspace, pages: tuple | None) -> torch.Tensor | None:
+    """The workspace's pass-A counts where a step of ``route`` has the scorer count them for the top-k
+    (``topk.scorer_counts``: the CUDA scorer, then the CUDA top-k at one CTA a row, positions), else
+    None."""
+    take = (ws.config.topk.scorer_counts and route.scorer == CUDA and route.kind == CUDA_RADIX
+            and route.topk_cluster == 1 and pages is None)
+    return ws.counts if take else None

@@ -13,6 +13,7 @@ from functools import cache
 import torch
 
 from .config import DEFAULT_CONFIG, KernelConfig
+from .cuda_topk import COUNTS_BINS
 from .route import CUDA_RADIX, SAMPLE, DeviceInfo, Route, plan_route, topk_algo_for
 
 
@@ -87,6 +88,8 @@ class IndexerTopkWorkspace:
         self.cand_pos = torch.zeros(rows * tc.cap if sample else 0, **i32)
         # the unfused step's scores, live columns only
         self.logits = torch.empty(rows if width else 0, width, dtype=torch.float32, device=self.device)
+        # topk.scorer_counts: each row's pass-A counts, written by the CUDA scorer, zeroed by the top-k
+        self.counts = torch.zeros(rows if (tc.scorer_counts and width) else 0, COUNTS_BINS, **i32)
         # fused step, for calls of up to fused.max_rows rows (whatever the capacity): per row two
         # 256-bin histograms, barrier counters, candidates, a stall flag; per program two counts
         fc = config.fused
