@@ -475,7 +475,7 @@ def test_the_counts_reach_the_counts_build_and_its_launch(monkeypatch):
             torch.zeros(rows, 2, dtype=torch.int32),
             torch.zeros(rows, dtype=torch.int32), None, torch.zeros(rows, 128))
     cfg = ScorerConfig(cuda_narrow_rows=0)
-    counts = torch.zeros(rows + 1, cuda_topk.COUNTS_BINS, dtype=torch.int32)
+    counts = torch.zeros(rows + 1, cuda_topk.COUNTS_WORDS, dtype=torch.int32)
     cuda_scorer.launch_cuda_score(*args, page_size=64, sel_width=128, fill_width=0, splits=2, config=cfg,
                                   counts=counts)
     cuda_scorer.launch_cuda_score(*args, page_size=64, sel_width=128, fill_width=0, splits=2, config=cfg)
@@ -483,7 +483,7 @@ def test_the_counts_reach_the_counts_build_and_its_launch(monkeypatch):
     assert built[0] == (("SCORER_COUNTS", 1),)
     with_counts, without = launched
     assert len(with_counts) == len(without) + 2
-    assert with_counts[-2].value == counts.data_ptr() and with_counts[-1].value == cuda_topk.COUNTS_BINS
+    assert with_counts[-2].value == counts.data_ptr() and with_counts[-1].value == cuda_topk.COUNTS_WORDS
     with pytest.raises(ValueError, match="counts"):
         cuda_scorer.launch_cuda_score(*args, page_size=64, sel_width=128, fill_width=0, splits=2, config=cfg,
                                       counts=counts[:2])

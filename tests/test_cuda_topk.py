@@ -829,16 +829,16 @@ def test_the_counts_entries_are_one_cta_positions_entries():
             cuda_topk.cluster_kernel_name(cluster, True, 1024, slots=slots, counts=True)
 
 
-def _counts(rows=3, bins=cuda_topk.COUNTS_BINS, dtype=torch.int32):
+def _counts(rows=3, bins=cuda_topk.COUNTS_WORDS, dtype=torch.int32):
     return torch.zeros(rows, bins, dtype=dtype)
 
 
 @pytest.mark.parametrize("bad, match", [
     (_counts(dtype=torch.int64), "int32"),
-    (_counts(bins=2048), "int32 \\[rows, 4096\\]"),
+    (_counts(bins=cuda_topk.COUNTS_BINS), "int32 \\[rows, 4100\\]"),
     (_counts(rows=1), "1 rows for a call of 2"),
     (_counts().t().contiguous().t(), "contiguous"),
-    (torch.zeros(3 * 4096 + 1, dtype=torch.int32)[1:].view(3, 4096), "16-byte aligned"),
+    (torch.zeros(3 * 4100 + 1, dtype=torch.int32)[1:].view(3, 4100), "16-byte aligned"),
     ([[0] * 4096] * 3, "must be a tensor"),
 ])
 def test_counts_that_cannot_hold_the_call_are_refused(bad, match):
@@ -871,6 +871,44 @@ def test_a_row_takes_the_scorers_counts_only_when_they_are_its_own(n, k, ties, s
         plan = emu.plan_cluster_row(u, k, solo=True)
         assert emu.plan_cluster_row(u, k, solo=True, counts=own) == plan
         assert emu.plan_cluster_row(u, k, solo=True, counts=own + left) == plan
+
+
+@given(n=st.integers(2, 3000), k=st.integers(1, 2047), ties=st.booleans(), seed=st.integers(0, 2**31 - 1),
+       moves=st.lists(st.tuples(st.integers(0, 4095), st.integers(0, 4095), st.integers(1, 50)), min_size=1,
+                      max_size=3))
+def test_counts_that_sum_right_but_disagree_with_the_keys_are_refused(n, k, ties, seed, moves):
+    """The certificate behind the counts (``cuda_topk_emu.counts_certified``, the kernel's check
+    before it keeps them): counts of the right sum whose bins are wrong (some counts moved to other
+    bins) are kept only if the keys above and in the bin they name agree, and then that bin, need
+    and count are the row's own; so the plan is the row's own whatever the counts, and the row's
+    own counts are always kept."""
+    if n <= k:
+        k = n - 1
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g) * 30
+    if ties:
+        x = x.round()
+    u = emu.order_keys(x, nan_low=False)
+    own = emu.scorer_counts(x)
+    assert emu.counts_certified(own, u, k)
+    lie = own.clone()
+    for src, dst, c in moves:
+        c = min(c, int(lie[src]))
+        lie[src] -= c
+        lie[dst] += c
+    assert emu.counts_taken(lie, n)
+    if emu.counts_certified(lie, u, k):
+        assert emu._find_bin(lie, k) == emu._find_bin(own, k)
+    plan = emu.plan_cluster_row(u, k, solo=True)
+    assert emu.plan_cluster_row(u, k, solo=True, counts=lie) == plan
+
+
+def test_counts_that_name_an_empty_bin_are_refused():
+    x = torch.randn(5000, generator=torch.Generator().manual_seed(1))
+    u = emu.order_keys(x, nan_low=False)
+    lie = torch.zeros(emu.COUNTS_BINS, dtype=torch.long)
+    lie[0] = 5000  # every key below -2^18: the sum is right, the keys say otherwise
+    assert emu.counts_taken(lie, 5000) and not emu.counts_certified(lie, u, 2048)
 
 
 def test_counts_are_refused_with_a_page_table_before_anything_compiles():

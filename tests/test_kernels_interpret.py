@@ -494,7 +494,7 @@ def test_the_step_hands_the_scorers_counts_to_the_top_k_only_on_their_route(
     """``topk.scorer_counts``: the step gives the workspace's counts to the scorer and then to the
     top-k only where the CUDA scorer runs before the one-CTA CUDA top-k writing positions (CPU:
     the route and both launches are stand-ins that record what they are given)."""
-    from vllm_sparse_sync.kernels.cuda_topk import COUNTS_BINS
+    from vllm_sparse_sync.kernels.cuda_topk import COUNTS_WORDS
     from vllm_sparse_sync.kernels.route import CUDA_RADIX, Route
 
     given = {}
@@ -503,7 +503,7 @@ def test_the_step_hands_the_scorers_counts_to_the_top_k_only_on_their_route(
     case = make_case([300, 90], heads=16, table_pages=6, seed=4)
     cfg = KernelConfig(topk=TopkConfig(scorer_counts=flag))
     ws = IndexerTopkWorkspace(2, 16, 384, "cpu", config=cfg, num_sms=4)
-    assert ws.counts.shape == ((2 if flag else 0), COUNTS_BINS)
+    assert ws.counts.shape == ((2 if flag else 0), COUNTS_WORDS)
     ws.route = lambda *a, **kw: Route(CUDA_RADIX, 2, topk_cluster=cluster, topk_cap=4096, scorer=scorer)
     tk.indexer_topk(*case.args, 16, width=384, workspace=ws, page_table=case.block_table if slots else None)
     assert (given["scorer"] is ws.counts, given["topk"] is ws.counts) == handed

@@ -201,3 +201,24 @@ def test_a_cpu_workspace_says_why_it_has_no_cuda_topk():
         from vllm_sparse_sync.kernels.cuda_topk import cluster_smem_limit
 
         assert cluster_smem_limit(0) == 0
+
+
+def test_refused_counts_are_read_cleared_and_make_the_step_unhealthy():
+    """``topk.scorer_counts``: each row's refusals word (after its counts) adds up in
+    ``counts_refused()``, ``clear_counts_refused()`` zeroes only those words, and a step whose
+    workspace has refusals reports ``StepHealth.ok`` False."""
+    from vllm_sparse_sync.kernels.cuda_topk import COUNTS_BINS, COUNTS_REFUSED, COUNTS_WORDS
+    from vllm_sparse_sync.step import StepHealth
+
+    cfg = KernelConfig().with_values(**{"topk.scorer_counts": True})
+    ws = IndexerTopkWorkspace(3, 64, 256, "cpu", config=cfg, num_sms=8)
+    assert ws.counts.shape == (3, COUNTS_WORDS) and COUNTS_REFUSED == COUNTS_BINS
+    assert ws.counts_refused() == 0
+    ws.counts[0, COUNTS_REFUSED] = 2
+    ws.counts[2, COUNTS_REFUSED] = 1
+    ws.counts[1, 7] = 5  # a count, not a refusal
+    assert ws.counts_refused() == 3
+    ws.clear_counts_refused()
+    assert ws.counts_refused() == 0 and int(ws.counts[1, 7]) == 5
+    assert IndexerTopkWorkspace(3, 64, 256, "cpu", num_sms=8).counts_refused() == 0  # no buffer
+    assert StepHealth(0).ok and not StepHealth(0, refused_counts=1).ok and not StepHealth(1).ok

@@ -1,8 +1,9 @@
 """``topk.scorer_counts`` on the H200: the CUDA scorer's counts build writes each row's pass-A counts
 and the one-CTA CUDA top-k takes them. The step selects exactly what it selects without them
 (element for element, eager and replayed), leaves every count zero, is not fooled by counts left
-over from an unfinished step, and really takes the counts it is given (counts that lie change the
-answer). Skips without sm_90, cuda-bindings or NVRTC, with the reason."""
+over from an unfinished step, and checks the counts it is given against the keys (counts that lie
+are refused, counted for the host, and the answer stays exact). Skips without sm_90, cuda-bindings
+or NVRTC, with the reason."""
 
 from __future__ import annotations
 
@@ -67,7 +68,7 @@ def test_the_step_with_the_scorers_counts_selects_what_it_selects_without(rows, 
     got = tk.indexer_topk(*case.args, K, width=width, workspace=counted)
     torch.cuda.synchronize()
     assert torch.equal(got, want)  # the same positions in the same order
-    assert int(counted.counts.count_nonzero()) == 0
+    assert int(counted.counts.count_nonzero()) == 0  # the counts zero, no refusal
 
     # captured once, replayed on new lengths: the same again, the counts zero after each replay
     out = torch.empty_like(got)
@@ -81,6 +82,7 @@ def test_the_step_with_the_scorers_counts_selects_what_it_selects_without(rows, 
         torch.cuda.synchronize()
         assert torch.equal(out, want), seed
         assert int(counted.counts.count_nonzero()) == 0
+    assert counted.counts_refused() == 0
 
 
 def test_counts_left_over_are_not_taken_and_are_cleared():
@@ -88,49 +90,59 @@ def test_counts_left_over_are_not_taken_and_are_cleared():
     behind: the next step's rows do not take them (they sum past the live length), select exactly,
     and leave the buffer zero."""
     from vllm_sparse_sync.kernels import triton_ops as tk
+    from vllm_sparse_sync.kernels.cuda_topk import COUNTS_BINS
 
     rows, width = 32, 16384
     case = make_case([width] * rows, heads=64, table_pages=width // 64, device=DEV, seed=5)
     case.row_lens.copy_(_lengths(rows, width, seed=5))
     plain, counted = _workspace(rows, width, False, True), _workspace(rows, width, True, True)
     g = torch.Generator(device=DEV).manual_seed(6)
-    left = torch.randint(0, 3, counted.counts.shape, device=DEV, generator=g, dtype=torch.int32)
-    counted.counts.copy_(left)
-    counted.counts[:, 0] += 1  # every row's leftovers nonzero
+    left = torch.randint(0, 3, (rows, COUNTS_BINS), device=DEV, generator=g, dtype=torch.int32)
+    left[:, 0] += 1  # every row's leftovers nonzero
+    counted.counts[:, :COUNTS_BINS] = left
     want = tk.indexer_topk(*case.args, K, width=width, workspace=plain)
     got = tk.indexer_topk(*case.args, K, width=width, workspace=counted)
     torch.cuda.synchronize()
     assert torch.equal(got, want)
-    assert int(counted.counts.count_nonzero()) == 0
+    assert int(counted.counts.count_nonzero()) == 0  # zeroed; summing past the length, never refused
 
 
 @pytest.mark.parametrize("width", [4096, 16384])
-def test_the_top_k_takes_counts_that_sum_to_the_length_and_no_others(width):
-    """Proof that the counts are read, not only cleared: counts that sum to a row's live length
-    but put every key in the lowest bin are taken, and the selection is no longer the row's top k;
-    the same lie one count longer is refused, and the row is counted exactly. Zero after both."""
+def test_counts_that_disagree_with_the_keys_are_refused_and_the_answer_stays_exact(width):
+    """Proof that the counts are read and checked, not only cleared: counts that sum to each row's
+    live length but put every key in the lowest bin are refused by the keys (each row's refusals
+    word counts one) and the row is counted again, exactly; the same lie one count longer fails
+    the sum first (no refusal); the row's own counts are kept (no refusal). Exact and zeroed each
+    time; the refusals stay until the host clears them."""
     from vllm_sparse_sync.kernels import cuda_topk
+    from vllm_sparse_sync.kernels import cuda_topk_emu as emu
     from vllm_sparse_sync.kernels import reference as ref
 
     rows = 4
     g = torch.Generator(device=DEV).manual_seed(width)
     x = torch.randn(rows, width, device=DEV, generator=g)
     lens = torch.full((rows,), width, dtype=torch.int32, device=DEV)
-    counts = torch.zeros(rows, cuda_topk.COUNTS_BINS, dtype=torch.int32, device=DEV)
+    counts = torch.zeros(rows, cuda_topk.COUNTS_WORDS, dtype=torch.int32, device=DEV)
     want = ref.topk_indices(x.cpu(), lens.cpu(), K).sort(1).values
+    own = torch.stack([emu.scorer_counts(r) for r in x.cpu()]).to(device=DEV, dtype=torch.int32)
 
-    def run(lie: int) -> torch.Tensor:
-        counts.zero_()
-        counts[:, 0] = width + lie  # the lowest bin: keys below -2^18, of which the row has none
+    def run(bins: torch.Tensor) -> torch.Tensor:
+        counts[:, : cuda_topk.COUNTS_BINS] = bins
         out = torch.empty(rows, K, dtype=torch.int32, device=DEV)
         cuda_topk.launch_cuda_topk_cluster(x, x.stride(0), lens, None, out, K, width, nan_low=False,
                                            cluster=1, pdl=False, counts=counts)
         torch.cuda.synchronize()
-        assert int(counts.count_nonzero()) == 0
+        assert int(counts[:, : cuda_topk.COUNTS_BINS].count_nonzero()) == 0
         return out.cpu().sort(1).values
 
-    assert not torch.equal(run(0), want)  # taken: pass A looked for the k-th key where none is
-    assert torch.equal(run(1), want)  # refused: counted again
+    lie = torch.zeros_like(own)
+    lie[:, 0] = width  # the lowest bin: keys below -2^18, of which the rows have none
+    assert torch.equal(run(lie), want)
+    assert counts[:, cuda_topk.COUNTS_REFUSED].tolist() == [1] * rows
+    lie[:, 0] += 1
+    assert torch.equal(run(lie), want)
+    assert torch.equal(run(own), want)
+    assert counts[:, cuda_topk.COUNTS_REFUSED].tolist() == [1] * rows
     with pytest.raises(ValueError, match="one CTA a row"):
         cuda_topk.launch_cuda_topk_cluster(x, x.stride(0), lens, None, torch.empty(rows, K, dtype=torch.int32,
                                            device=DEV), K, width, cluster=2, counts=counts)

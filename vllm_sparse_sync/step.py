@@ -28,10 +28,14 @@ class StepHealth:
 
     stalled_rows: int
     """Rows whose fused row barrier gave up; their output rows were written as all ``-1``."""
+    refused_counts: int = 0
+    """Rows whose top-k refused the scorer's pass-A counts (``topk.scorer_counts``): they summed to
+    the row's live length but disagreed with its keys, a fault of the scorer's counts build. Each
+    such row was counted again: its answer is exact, the fault is reported here."""
 
     @property
     def ok(self) -> bool:
-        return self.stalled_rows == 0
+        return self.stalled_rows == 0 and self.refused_counts == 0
 
 
 def _positive(name: str, v: object) -> int:
@@ -120,10 +124,11 @@ class IndexerStep:
                                     page_size=self.layout.page_size)
 
     def health(self) -> StepHealth:
-        """Stalled rows since the last call (reads device memory: a host sync; call it outside
-        the decode loop, e.g. after a benchmark or in a test), then clears the flags."""
+        """Stalled rows and refused counts since the last call (reads device memory: a host sync;
+        call it outside the decode loop, e.g. after a benchmark or in a test), then clears them."""
         if self.workspace is None:
             return StepHealth(0)
-        stalled = self.workspace.stalled_rows()
+        stalled, refused = self.workspace.stalled_rows(), self.workspace.counts_refused()
         self.workspace.clear_stalls()
-        return StepHealth(stalled)
+        self.workspace.clear_counts_refused()
+        return StepHealth(stalled, refused)

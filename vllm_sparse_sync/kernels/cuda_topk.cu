@@ -33,7 +33,8 @@ typedef long long i64;
 #ifndef TOPK_COUNTS_MODULE
 #define TOPK_COUNTS_MODULE 0  // 1: the module of the one-CTA entries that take the scorer's counts
 #endif
-#define COUNTS_BINS 4096  // cuda_topk.COUNTS_BINS: a row's counts (solo_bin's bins)
+#define COUNTS_BINS 4096  // cuda_topk.COUNTS_BINS: a row's counts (solo_bin's bins), then its refusals
+                         // counter and three unused words (cuda_topk.COUNTS_WORDS)
 
 #include "cuda_keys.cuh"  // order_key, solo_bin, solo_bin_keys, SOLO_EXP_LO
 
@@ -1238,7 +1239,7 @@ template <int C, int THREADS, int ACT, int BAR, bool ALIGNED, bool SLOTS>
 __device__ __forceinline__ void topk_reg_body(const float* __restrict__ x, int n, int lo, int len, int k,
                                               int* __restrict__ o, int nan_low, u32 rank,
                                               const FirstKeys& first, u32* spare, BodyScratch& sc,
-                                              bool taken = false) {
+                                              bool taken = false, u32* refused = nullptr) {
     constexpr bool multi = C > 1;
     constexpr int J = CLUSTER_UNROLL, TIE = multi ? TIE_MAX : SOLO_TIE_MAX, WARPS = ACT / 32, G = ACT / TIE;
     constexpr int W = J / 2, BINS_A = multi ? 2048 : 4096;
@@ -1300,7 +1301,23 @@ __device__ __forceinline__ void topk_reg_body(const float* __restrict__ x, int n
 // the slots of this thread in MASK
 #define FOR_SLOTS(MASK, BODY) FOR_GROUP_SLOTS(if (((MASK) >> i) & 1u) { BODY })
     // taken (one CTA, the counts entries): pass A's bin is in sc.res already, from the scorer's
-    // counts (find_bin_counts)
+    // counts (find_bin_counts), and is kept only if the keys agree: as many above the bin as the
+    // counts say (k - need) and as many in it (cnt) make it the bin the row's own count finds, with
+    // the same need and count. Otherwise `refused` (the row's counter, for the host) counts them and
+    // the row counts itself. One barrier; block-uniform
+    if (taken) {
+        u32 blo, bhi;
+        solo_bin_keys(sc.res[0], blo, bhi);
+        u32 mine = 0u;  // keys above the bin (high half), in it (low half): at most 16K each
+        FOR_SLOTS(live, mine += key[i] > bhi ? 0x10000u : (key[i] >= blo ? 1u : 0u);)
+        const u32 wsum = warp_sum(mine);
+        __syncwarp();  // every lane of this warp has read sc.warp in find_bin_counts
+        if ((tid & 31) == 0) sc.warp[tid >> 5] = wsum;
+        block_bar<ACT, BAR>();
+        const u32 all = warp_sum((tid & 31) < WARPS ? sc.warp[tid & 31] : 0u);
+        taken = all >> 16 == (u32)k - sc.res[1] && (all & 0xffffu) == sc.res[2];
+        if (!taken && tid == 0) atomicAdd(refused, 1u);
+    }
     if (!taken) {
         // pass A without a branch per key: a dead slot of the live groups counts into bin 0, and
         // thread 0 takes those counts back
@@ -1624,12 +1641,13 @@ __device__ __forceinline__ void topk_cluster_row(const float* __restrict__ logit
         if (rank == 0u) {
             bool taken = false;  // (COUNTS: by every thread, before those a short row leaves go)
             if constexpr (COUNTS) taken = find_bin_counts<THREADS>(cq, (u32)k, (u32)n, sc.warp, sc.res);
+            u32* refused = COUNTS ? counts + (i64)row * counts_stride + COUNTS_BINS : nullptr;
             if (ACT < THREADS && n <= 4 * CLUSTER_UNROLL * ACT)
                 topk_reg_body<1, THREADS, ACT, (ACT < THREADS ? 1 : 0), ALIGNED, SLOTS>(x, n, 0, n, k, o, nan_low, 0u,
-                                                                                     first, spare, sc, taken);
+                                                                                     first, spare, sc, taken, refused);
             else
                 topk_reg_body<1, THREADS, THREADS, 0, ALIGNED, SLOTS>(x, n, 0, n, k, o, nan_low, 0u, first, spare,
-                                                                      sc, taken);
+                                                                      sc, taken, refused);
         }
         return;
     }

@@ -53,6 +53,12 @@ COUNTS_OPTIONS = ("-DTOPK_COUNTS_MODULE=1",)
 CUDA scorer's counts build wrote (``topk.scorer_counts``), compiled on the first such step"""
 COUNTS_BINS = 4096
 """a row's pass-A counts (the source's ``COUNTS_BINS``: ``cuda_topk_emu.solo_bin``'s bins)"""
+COUNTS_REFUSED = COUNTS_BINS
+"""the word after a row's counts: how many times the top-k refused counts that summed to the row's
+live length but disagreed with its keys (a fault of the scorer that wrote them; never cleared by
+the kernels: ``IndexerTopkWorkspace.counts_refused``)"""
+COUNTS_WORDS = COUNTS_BINS + 4
+"""a row's words in a counts buffer: the counts, the refusals, three unused (16-byte rows)"""
 PORTABLE_CLUSTER = 8
 """the largest cluster every sm_90+ device launches; 16 needs the non-portable opt-in and a device
 that can hold 16 such CTAs in one GPC (``_Module.cluster16``)"""
@@ -573,8 +579,9 @@ def launch_cuda_topk_cluster(
     (``reference.page_table_slots``), written by the same launch. ``counts`` (``check_counts``; one
     CTA a row, positions): each row's pass-A counts as the stream's previous kernel, the CUDA
     scorer's counts build, wrote them for these scores; a row takes them where they sum to its
-    live length (else it counts itself: the same output either way), and the launch leaves every
-    row's counts zero. Returns the plan launched.
+    live length and its keys agree with them (else it counts itself: the same output either way;
+    counts that summed right but disagreed add one to the row's ``COUNTS_REFUSED`` word), and the
+    launch leaves every row's counts zero. Returns the plan launched.
 
     ``x`` must hold at least ``sel_width`` columns: the kernel may read any of them before it
     knows a row's live length (a ``ValueError`` names the shape otherwise).
@@ -633,11 +640,11 @@ def launch_cuda_topk_cluster(
 
 def check_counts(counts: torch.Tensor, rows: int, device: torch.device) -> None:
     """A ``ValueError`` unless ``counts`` can hold ``rows`` rows' pass-A counts on ``device``: int32
-    ``[>= rows, COUNTS_BINS]`` with contiguous, 16-byte aligned rows (host metadata only)."""
+    ``[>= rows, COUNTS_WORDS]`` with contiguous, 16-byte aligned rows (host metadata only)."""
     if not isinstance(counts, torch.Tensor):
         raise ValueError(f"counts: must be a tensor, got {type(counts).__name__}")
-    if counts.dtype != torch.int32 or counts.dim() != 2 or counts.shape[1] != COUNTS_BINS:
-        raise ValueError(f"counts: must be int32 [rows, {COUNTS_BINS}], got {counts.dtype} "
+    if counts.dtype != torch.int32 or counts.dim() != 2 or counts.shape[1] != COUNTS_WORDS:
+        raise ValueError(f"counts: must be int32 [rows, {COUNTS_WORDS}], got {counts.dtype} "
                          f"{tuple(counts.shape)}")
     if counts.shape[0] < rows:
         raise ValueError(f"counts: {counts.shape[0]} rows for a call of {rows}")

@@ -259,14 +259,24 @@ def counts_taken(counts: torch.Tensor, n: int) -> bool:
     return int(counts.sum()) == n
 
 
+def counts_certified(counts: torch.Tensor, u: torch.Tensor, k: int) -> bool:
+    """Whether the row's keys ``u`` (more than ``k``) agree with ``counts`` taken as its pass A:
+    as many keys above the bin the counts put the k-th key in as they say, and as many in it. Then
+    that bin, need and count are the ones the row's own count finds (the kernel keeps them;
+    otherwise it counts the refusal and the row)."""
+    b, need, cnt = _find_bin(counts, k)
+    lo, hi = solo_bin_keys(b)
+    return int((u > hi).sum()) == k - need and int(((u >= lo) & (u <= hi)).sum()) == cnt
+
+
 def plan_cluster_row(u: torch.Tensor, k: int, *, solo: bool = False,
                      counts: torch.Tensor | None = None) -> ClusterRowPlan:
     """The kernel's passes on the order keys ``u`` of a row on a cluster (pass A: 2048 bins of
     ``u >> 21``) or on one CTA (``solo``: 4096 bins of ``solo_bin``, or ``counts`` where
-    ``counts_taken``); then passes of at most 11 of the bits that vary in the bin's keys, until
-    the bin is taken whole, holds at most the list's size, or one key value."""
+    ``counts_taken`` and ``counts_certified``); then passes of at most 11 of the bits that vary in
+    the bin's keys, until the bin is taken whole, holds at most the list's size, or one key value."""
     if solo:
-        taken = counts is not None and counts_taken(counts, u.numel())
+        taken = counts is not None and counts_taken(counts, u.numel()) and counts_certified(counts, u, k)
         hist = counts if taken else torch.bincount(solo_bin(u), minlength=COUNTS_BINS)
         b, need, cnt = _find_bin(hist, k)
         lo, hi = solo_bin_keys(b)

@@ -13,7 +13,7 @@ from functools import cache
 import torch
 
 from .config import DEFAULT_CONFIG, KernelConfig
-from .cuda_topk import COUNTS_BINS
+from .cuda_topk import COUNTS_REFUSED, COUNTS_WORDS
 from .route import CUDA_RADIX, SAMPLE, DeviceInfo, Route, plan_route, topk_algo_for
 
 
@@ -88,8 +88,9 @@ class IndexerTopkWorkspace:
         self.cand_pos = torch.zeros(rows * tc.cap if sample else 0, **i32)
         # the unfused step's scores, live columns only
         self.logits = torch.empty(rows if width else 0, width, dtype=torch.float32, device=self.device)
-        # topk.scorer_counts: each row's pass-A counts, written by the CUDA scorer, zeroed by the top-k
-        self.counts = torch.zeros(rows if (tc.scorer_counts and width) else 0, COUNTS_BINS, **i32)
+        # topk.scorer_counts: each row's pass-A counts, written by the CUDA scorer, zeroed by the
+        # top-k; then the row's refusals (cuda_topk.COUNTS_REFUSED)
+        self.counts = torch.zeros(rows if (tc.scorer_counts and width) else 0, COUNTS_WORDS, **i32)
         # fused step, for calls of up to fused.max_rows rows (whatever the capacity): per row two
         # 256-bin histograms, barrier counters, candidates, a stall flag; per program two counts
         fc = config.fused
@@ -174,3 +175,13 @@ class IndexerTopkWorkspace:
 
     def clear_stalls(self) -> None:
         self.fused_stall.zero_()
+
+    def counts_refused(self) -> int:
+        """Times a row's top-k refused the scorer's counts since the last ``clear_counts_refused()``:
+        counts that summed to the row's live length but disagreed with its keys, a fault of the
+        scorer's counts build (the row was counted again: its answer is exact). A host read."""
+        return int(self.counts[:, COUNTS_REFUSED].sum().item()) if self.counts.numel() else 0
+
+    def clear_counts_refused(self) -> None:
+        if self.counts.numel():
+            self.counts[:, COUNTS_REFUSED].zero_()
