@@ -146,3 +146,53 @@ def test_counts_that_disagree_with_the_keys_are_refused_and_the_answer_stays_exa
     with pytest.raises(ValueError, match="one CTA a row"):
         cuda_topk.launch_cuda_topk_cluster(x, x.stride(0), lens, None, torch.empty(rows, K, dtype=torch.int32,
                                            device=DEV), K, width, cluster=2, counts=counts)
+
+
+def test_the_counts_step_runs_without_a_sync_and_replays_captured():
+    """The public way with ``topk.scorer_counts``: builder and step, the step checked by the
+    harness (no host sync, every watched tensor touched), captured once, replayed on new lengths
+    (the same answer as the step without the counts), healthy."""
+    from vllm_sparse_sync import DecodeBatch, IndexerLayout, IndexerMetadataBuilder, IndexerStep, SeqLenShadow
+    from vllm_sparse_sync.kernels.config import DEFAULT_CONFIG
+    from vllm_sparse_sync.testing import check_step, decode_graph, device_tensors
+
+    rows, max_len = 32, 16384
+    layout = IndexerLayout(backend="b12x", topk=K, max_model_len=max_len)
+    pages = max_len // 64
+    builder = IndexerMetadataBuilder(layout, max_num_reqs=rows, max_num_tokens=rows, max_pages_per_req=pages,
+                                     device=DEV)
+    step = IndexerStep.for_builder(builder, config=DEFAULT_CONFIG.with_values(**{"topk.scorer_counts": True}))
+    plain = IndexerStep.for_builder(builder)
+    route = step.route(rows)
+    assert (route.scorer, route.topk_cluster) == ("cuda", 1), route
+    case = make_case([max_len] * rows, heads=64, table_pages=pages, device=DEV, seed=8)
+    q = torch.randn(rows, 64, 128, device=DEV).to(torch.float8_e4m3fn)
+    w = torch.randn(rows, 64, device=DEV)
+    qsl = torch.arange(rows + 1, dtype=torch.int32)
+    seq = torch.randint(1, max_len + 1, (rows,), dtype=torch.int32, device=DEV)
+    shadow = SeqLenShadow(seq.cpu())
+    qsl_dev = qsl.to(DEV)
+
+    def batch():
+        return DecodeBatch(qsl_dev, qsl, seq, shadow, case.block_table, max_len)
+
+    meta = builder.build(batch())
+    out = torch.empty(rows, K, dtype=torch.int32, device=DEV)
+    step.run(meta, q, w, case.k_cache, out=out)  # warm every kernel
+    assert torch.equal(out, plain.run(meta, q, w, case.k_cache))
+    watch = device_tensors(builder, step.workspace, seq, case.block_table, q, w, case.k_cache, out)
+    check = check_step(lambda: step.run(builder.build(batch()), q, w, case.k_cache, out=out), watch=watch,
+                       warmup=1)
+    assert check.records == [] and check.touched
+    graph = decode_graph(lambda: step.run(meta, q, w, case.k_cache, out=out), inputs=[q, w])
+    for seed in (1, 2):
+        g = torch.Generator().manual_seed(seed)
+        new = torch.randint(1, max_len + 1, (rows,), dtype=torch.int32, generator=g)
+        seq.copy_(new)
+        shadow.seq_lens_cpu.copy_(new)
+        live = builder.build(batch())
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, plain.run(live, q, w, case.k_cache)), seed
+    health = step.health()
+    assert health.ok and health.refused_counts == 0
