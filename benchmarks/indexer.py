@@ -255,7 +255,11 @@ def bench_ours(inp: Inputs, ncalls: int, config, res: dict, algos: tuple[str, ..
         res["scorer_vs_triton_max_rel"] = float(((dense[:rows] - dense_t[:rows]).abs()[fin]).max()
                                                 / dense_t[:rows][fin].abs().max())
     res["fused_stalls"] = ws.stalled_rows()  # rows whose barriers gave up (marked -1): must be 0
-    res["step_check"] = "ok" if not bad and not res["fused_stalls"] else (bad or ["stalled rows"])[0]
+    # topk.scorer_counts: rows whose top-k refused the scorer's counts (a scorer fault): must be 0
+    res["counts_refused"] = sum(w.counts_refused() for w in (ws, ws8))
+    trouble = (["stalled rows"] if res["fused_stalls"] else []) + (
+        ["refused scorer counts"] if res["counts_refused"] else [])
+    res["step_check"] = "ok" if not bad and not trouble else (bad or trouble)[0]
     if B * L <= 65536:  # the torch reference scorer (Python loop over rows, host syncs): eager timing
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         ref.paged_indexer_logits(*inp.args(0), L)

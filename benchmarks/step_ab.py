@@ -11,7 +11,8 @@ workspace's logits) are captured as CUDA graphs of rotated inputs and replayed i
 (``graph_timer.interleaved_replay_us``), ``--rounds`` times over, in rotated order; the median of
 the rounds is reported. Checked first: each step's selection is an exact top-k of the logits its
 own scorer wrote (rows 0-1), and each config's logits are compared with the baseline's (largest
-difference relative to the largest score). Prints a table (us, ratio to the baseline) and writes
+difference relative to the largest score); checked after the timing: no config's top-k refused its
+scorer's counts (``topk.scorer_counts``). Prints a table (us, ratio to the baseline) and writes
 JSON; exits 1 after them if a selection failed its check.
 """
 
@@ -84,10 +85,11 @@ def measure(B: int, L: int, configs: dict, serving: bool, rounds: int, iters: in
     copies, ncalls = ix.graph_sizes(B, L)
     inp = ix.Inputs(B, L, copies)
     out = torch.empty(B, ix.TOPK, dtype=torch.int32, device=ix.DEV)
-    named, extra, bad, base_logits = {}, {}, [], None
+    named, extra, bad, base_logits, spaces = {}, {}, [], None, {}
     for name, cfg in configs.items():
         ws = (IndexerTopkWorkspace(max(B, ix.SERVING_ROWS), ix.TOPK, ix.WIDE, ix.DEV, config=cfg) if serving
               else IndexerTopkWorkspace(B, ix.TOPK, L, ix.DEV, config=cfg))
+        spaces[name] = ws
         route = ws.route(B, L, ix.PAGE)
         extra[f"kind_{name}"] = route.scorer
         extra[f"splits_{name}"] = route.score_splits
@@ -104,9 +106,13 @@ def measure(B: int, L: int, configs: dict, serving: bool, rounds: int, iters: in
         calls = ix.step_calls(inp, ws, out)  # the step and its scorer as indexer.py times them
         for part in ("step", "scorer"):
             named[f"{part}_{name}"] = [lambda i=i, f=calls[part]: f(i) for i in range(ncalls)]
-    extra["check"] = "ok" if not bad else bad[0]
     extra["ncalls"] = ncalls
     times = [interleaved_replay_us(named, iters) for _ in range(rounds)]
+    for name, ws in spaces.items():  # topk.scorer_counts: counts the top-k refused (a scorer fault)
+        refused = ws.counts_refused()
+        if refused:
+            bad.append(f"{name}: {refused} refused scorer counts")
+    extra["check"] = "ok" if not bad else bad[0]
     return summarise(B, L, list(configs), times, extra)
 
 
