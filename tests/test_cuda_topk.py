@@ -847,6 +847,15 @@ def test_counts_that_cannot_hold_the_call_are_refused(bad, match):
     cuda_topk.check_counts(_counts(), 2, torch.device("cpu"))  # (what passes)
 
 
+def _scored_row(n: int, ties: bool, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A row of n scores as the scorer writes them (whole numbers with ``ties``): its order keys
+    and the counts the scorer's counts build writes for it."""
+    x = torch.randn(n, generator=torch.Generator().manual_seed(seed)) * 30
+    if ties:
+        x = x.round()
+    return emu.order_keys(x, nan_low=False), emu.scorer_counts(x)
+
+
 @given(n=st.integers(1, 3000), k=st.integers(1, 2048), ties=st.booleans(), seed=st.integers(0, 2**31 - 1),
        extra=st.lists(st.tuples(st.integers(0, 4095), st.integers(1, 3)), min_size=1, max_size=4))
 def test_a_row_takes_the_scorers_counts_only_when_they_are_its_own(n, k, ties, seed, extra):
@@ -854,12 +863,7 @@ def test_a_row_takes_the_scorers_counts_only_when_they_are_its_own(n, k, ties, s
     counts the scorer writes for a row are taken and resolve pass A as the row's own count does;
     counts left over from an unfinished launch (added to them, or alone) or none at all are not
     taken, so that row is counted again: the same plan whatever the buffer held."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, generator=g) * 30
-    if ties:
-        x = x.round()
-    u = emu.order_keys(x, nan_low=False)
-    own = emu.scorer_counts(x)
+    u, own = _scored_row(n, ties, seed)
     assert own.sum() == n and emu.counts_taken(own, n)
     left = torch.zeros(emu.COUNTS_BINS, dtype=own.dtype)
     for b, c in extra:
@@ -884,12 +888,7 @@ def test_counts_that_sum_right_but_disagree_with_the_keys_are_refused(n, k, ties
     own counts are always kept."""
     if n <= k:
         k = n - 1
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, generator=g) * 30
-    if ties:
-        x = x.round()
-    u = emu.order_keys(x, nan_low=False)
-    own = emu.scorer_counts(x)
+    u, own = _scored_row(n, ties, seed)
     assert emu.counts_certified(own, u, k)
     lie = own.clone()
     for src, dst, c in moves:

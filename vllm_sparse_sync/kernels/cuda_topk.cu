@@ -127,6 +127,41 @@ __device__ __forceinline__ u32 warps_excl_scan(u32 warp_total, u32* s_warp, u32&
     return s_warp[warp];
 }
 
+// find_bin's totals where each thread holds its bins' counts h[0..7]: their sum `local`, its warp's
+// `wsum` (into s_warp), and, after one barrier of THREADS (BAR), lane l's `t`: warp l's total
+#define HELD_TOTALS(h)                                                                             \
+    const u32 local = ((h[0] + h[1]) + (h[2] + h[3])) + ((h[4] + h[5]) + (h[6] + h[7]));           \
+    const u32 wsum = warp_sum(local);                                                              \
+    __syncwarp(); /* every lane of this warp has read s_warp in an earlier call */                 \
+    if (lane == 0) s_warp[warp] = wsum;                                                            \
+    block_bar<THREADS, BAR>();                                                                     \
+    const u32 t = lane < WARPS ? s_warp[lane] : 0u;
+
+// find_bin's last step where each thread holds its bins' counts h[i] (bin hi - i; `local` their
+// sum, `wsum` its warp's, `t` lane l's: warp l's total, read after the barrier that published
+// them): the warp that holds the need-th key scans its lanes, and the lane that holds it writes
+// s_res as find_bin does. No barrier. (A macro: as an inline function it changed the code of the
+// positions entries around it, benchmarks/NOTES.md session 37)
+#define HELD_BIN(h, local, wsum, t, hi, need, s_res)                                                \
+    {                                                                                             \
+        const u32 base = warp_sum(lane < warp ? t : 0u); /* the warps above this one */           \
+        if (base < need && base + wsum >= need) { /* warp-uniform: this warp holds the need-th */ \
+            const u32 excl = base + warp_incl_scan(local, lane) - local;                           \
+            if (excl < need && excl + local >= need) {                                            \
+                u32 cum = excl;                                                                   \
+                _Pragma("unroll") for (int i = 0; i < 8; ++i) {                                   \
+                    if (cum + h[i] >= need) {                                                     \
+                        s_res[0] = (u32)(hi - i);                                                 \
+                        s_res[1] = need - cum;                                                    \
+                        s_res[2] = h[i];                                                          \
+                        break;                                                                    \
+                    }                                                                             \
+                    cum += h[i];                                                                  \
+                }                                                                                 \
+            }                                                                                     \
+        }                                                                                         \
+    }
+
 // The bin of an nbins histogram (counted from the top bin down) holding the need-th largest key:
 // s_res = {bin, need left inside the bin, the bin's count}. Requires total >= need >= 1 and
 // nbins a power of two (any, against THREADS). Two barriers (every warp scans the warps' totals
@@ -147,29 +182,8 @@ __device__ __forceinline__ void find_bin(const u32* hist, int nbins, u32 need, u
             const uint4 q1 = *reinterpret_cast<const uint4*>(hist + hi - 7);
             h[4] = q1.w, h[5] = q1.z, h[6] = q1.y, h[7] = q1.x;
         }
-        const u32 local = ((h[0] + h[1]) + (h[2] + h[3])) + ((h[4] + h[5]) + (h[6] + h[7]));
-        const u32 wsum = warp_sum(local);
-        __syncwarp();  // every lane of this warp has read s_warp in an earlier call
-        if (lane == 0) s_warp[warp] = wsum;
-        block_bar<THREADS, BAR>();
-        const u32 t = lane < WARPS ? s_warp[lane] : 0u;
-        const u32 base = warp_sum(lane < warp ? t : 0u);  // the warps above this one
-        if (base < need && base + wsum >= need) {  // warp-uniform: this warp holds the need-th
-            const u32 excl = base + warp_incl_scan(local, lane) - local;
-            if (excl < need && excl + local >= need) {
-                u32 cum = excl;
-#pragma unroll
-                for (int i = 0; i < 8; ++i) {
-                    if (cum + h[i] >= need) {
-                        s_res[0] = (u32)(hi - i);
-                        s_res[1] = need - cum;
-                        s_res[2] = h[i];
-                        break;
-                    }
-                    cum += h[i];
-                }
-            }
-        }
+        HELD_TOTALS(h)
+        HELD_BIN(h, local, wsum, t, hi, need, s_res)
         block_bar<THREADS, BAR>();
         return;
     }
@@ -233,30 +247,9 @@ __device__ __forceinline__ bool find_bin_counts(const uint4 (&cq)[2], u32 need, 
     u32 h[8];  // h[i]: bin hi - i
     h[0] = cq[0].w, h[1] = cq[0].z, h[2] = cq[0].y, h[3] = cq[0].x;
     h[4] = cq[1].w, h[5] = cq[1].z, h[6] = cq[1].y, h[7] = cq[1].x;
-    const u32 local = ((h[0] + h[1]) + (h[2] + h[3])) + ((h[4] + h[5]) + (h[6] + h[7]));
-    const u32 wsum = warp_sum(local);
-    __syncwarp();  // every lane of this warp has read s_warp in an earlier call
-    if (lane == 0) s_warp[warp] = wsum;
-    block_bar<THREADS, BAR>();
-    const u32 t = lane < WARPS ? s_warp[lane] : 0u;
+    HELD_TOTALS(h)
     if (warp_sum(t) != n) return false;  // block-uniform; the caller's next barrier precedes s_warp's reuse
-    const u32 base = warp_sum(lane < warp ? t : 0u);  // the warps above this one
-    if (base < need && base + wsum >= need) {  // warp-uniform: this warp holds the need-th
-        const u32 excl = base + warp_incl_scan(local, lane) - local;
-        if (excl < need && excl + local >= need) {
-            u32 cum = excl;
-#pragma unroll
-            for (int i = 0; i < 8; ++i) {
-                if (cum + h[i] >= need) {
-                    s_res[0] = (u32)(hi - i);
-                    s_res[1] = need - cum;
-                    s_res[2] = h[i];
-                    break;
-                }
-                cum += h[i];
-            }
-        }
-    }
+    HELD_BIN(h, local, wsum, t, hi, need, s_res)
     block_bar<THREADS, BAR>();
     return true;
 }
