@@ -37,11 +37,11 @@ def _workspace(rows: int, width: int, counts: bool, precise: bool):
 
 
 def _lengths(rows: int, width: int, seed: int) -> torch.Tensor:
-    """Live lengths over the whole range: empty, at most k (the short path), just past k, and the
-    bound (rows past the registers on wide bounds)."""
+    """Live lengths over the whole range: the bound first (rows past the registers on wide
+    bounds), just past k, then empty, k and less (the short path), the rest random."""
     g = torch.Generator().manual_seed(seed)
     lens = torch.randint(1, width + 1, (rows,), generator=g, dtype=torch.int32)
-    edge = torch.tensor([0, K, K + 1, width, 1, K - 1], dtype=torch.int32)
+    edge = torch.tensor([width, K + 1, 0, K, 1, K - 1], dtype=torch.int32)
     lens[: min(rows, edge.numel())] = edge[: min(rows, edge.numel())]
     return lens
 
