@@ -84,17 +84,21 @@ def graph_sizes(B: int, L: int) -> tuple[int, int]:
 def step_calls(inp: Inputs, ws: IndexerTopkWorkspace, out: torch.Tensor) -> dict:
     """Our exact step on ``ws`` and its two launches as the step makes them (its route's splits,
     ``ws``'s logits buffer), each as ``call(i)`` on input copy ``i``: ``step``, ``scorer``,
-    ``topk`` (the latter reads what the scorer last left in the buffer)."""
+    ``topk`` (the latter reads what the scorer last left in the buffer). Where the step's scorer
+    writes pass-A counts (``topk.scorer_counts``), the scorer alone is that build, writing into
+    counts of its own that no top-k reads (the step's stay the step's)."""
     from vllm_sparse_sync.kernels import triton_ops as tk
     from vllm_sparse_sync.kernels.scorer import launch_score
 
     L = inp.L
     route = ws.route(inp.B, L, PAGE)
+    counts = tk.scorer_counts_for(route, ws, None)
+    scratch = None if counts is None else torch.zeros_like(counts)
     return {
         "step": lambda i: tk.indexer_topk(*inp.args(i), TOPK, width=L, workspace=ws, out=out),
         "scorer": lambda i: launch_score(*inp.args(i), None, ws.logits, page_size=PAGE, sel_width=L,
                                          fill_width=0, splits=route.score_splits, config=ws.config.scorer,
-                                         kind=route.scorer),
+                                         kind=route.scorer, counts=scratch),
         "topk": lambda i: tk._launch_topk(route, ws.logits, inp.lens, None, ws, out, TOPK, L, nan_low=False),
     }
 

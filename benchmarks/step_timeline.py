@@ -362,14 +362,19 @@ def main() -> None:
 
 
 def step_config(ap: argparse.ArgumentParser, text: str):
-    """``--config``'s assignments as the step's ``KernelConfig`` (``indexer.parse_config``); bad text
-    ends the script as argparse does (exit 2), before any GPU work."""
+    """``--config``'s assignments as the step's ``KernelConfig`` (``indexer.parse_config``); bad text,
+    or a step whose top-k the stamps would not reach (``topk.scorer_counts``), ends the script as
+    argparse does (exit 2), before any GPU work."""
     import indexer as ix
 
     try:
-        return ix.parse_config(text)
+        config = ix.parse_config(text)
     except (ValueError, TypeError, KeyError) as exc:
         ap.error(f"--config: {exc}")
+    if config.topk.scorer_counts:  # its top-k is the counts module, which the stamps do not reach
+        ap.error("--config: topk.scorer_counts: the timeline stamps the positions module only; time "
+                 "the counts step with benchmarks/step_ab.py")
+    return config
 
 
 def selection_failures(rows: list[dict]) -> list[str]:

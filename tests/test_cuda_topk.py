@@ -736,7 +736,8 @@ def test_step_timeline_times_the_configured_step_and_refuses_a_bad_config_before
     ap = argparse.ArgumentParser()
     assert tl.step_config(ap, "scorer.precise=false").scorer.precise is False
     assert tl.step_config(ap, "") == DEFAULT_CONFIG
-    for bad, why in (("scorer.precise=maybe", "must be a bool"), ("scorer.nope=1", "scorer.nope")):
+    for bad, why in (("scorer.precise=maybe", "must be a bool"), ("scorer.nope=1", "scorer.nope"),
+                     ("topk.scorer_counts=true", "stamps the positions module only")):
         monkeypatch.setattr(sys, "argv", ["step_timeline.py", "--shapes", "1x4096", "--config", bad])
         with pytest.raises(SystemExit) as exc:
             tl.main()
