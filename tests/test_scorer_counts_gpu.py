@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from vllm_sparse_sync.kernels.synth import make_case
 
@@ -83,6 +85,26 @@ def test_the_step_with_the_scorers_counts_selects_what_it_selects_without(rows, 
         assert torch.equal(out, want), seed
         assert int(counted.counts.count_nonzero()) == 0
     assert counted.counts_refused() == 0
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(rows=st.integers(1, 64), width=st.sampled_from([K + 64, 4096, 8192, 16384]), precise=st.booleans(),
+       ties=st.booleans(), seed=st.integers(0, 2**16))
+def test_random_calls_select_with_the_counts_as_without(rows, width, precise, ties, seed):
+    """Any call: rows, bound, dot, ties and live lengths drawn at random; with the counts (where its
+    route takes them) the step writes exactly what it writes without, the counts end zero, and
+    nothing is refused."""
+    from vllm_sparse_sync.kernels import triton_ops as tk
+
+    case = make_case([width] * rows, heads=64, table_pages=width // 64, ties=ties, device=DEV, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    case.row_lens.copy_(torch.randint(0, width + 1, (rows,), generator=g, dtype=torch.int32))
+    plain, counted = _workspace(rows, width, False, precise), _workspace(rows, width, True, precise)
+    want = tk.indexer_topk(*case.args, K, width=width, workspace=plain)
+    got = tk.indexer_topk(*case.args, K, width=width, workspace=counted)
+    torch.cuda.synchronize()
+    assert torch.equal(got, want)
+    assert int(counted.counts.count_nonzero()) == 0
 
 
 def test_counts_left_over_are_not_taken_and_are_cleared():
