@@ -634,8 +634,10 @@ DCP_MERGE_KERNEL(16)
 //            positions) take `counts`, each row's COUNTS_BINS solo_bin counts as the CUDA scorer's
 //            counts build wrote them for these scores (kernels/cuda_scorer.cu, SCORER_COUNTS): a
 //            row in registers takes them as its pass A where they sum to n (find_bin_counts; left
-//            over counts make the sum differ, and the row counts itself), and every row's counts
-//            are zero when the launch ends (the next step's scorer adds into zeros).
+//            over counts make the sum differ) and its keys agree with the bin they name (as many
+//            above it and in it; else the row's refusals word, after its counts, counts one);
+//            otherwise the row counts itself. Every row's counts are zero when the launch ends
+//            (the next step's scorer adds into zeros); the refusals are the host's to clear.
 //
 // Dynamic shared memory (words): the local counts of the three passes hist[2048], hist1[2048],
 // hist2[1024] (all cleared at the start; one CTA: hist[4096], hist1[2048], hist2[2048], and a
@@ -1563,7 +1565,8 @@ __device__ __forceinline__ void clear_quads(u32* smem, int tid) {
 // COUNTS (one CTA a row): `counts` holds each row's pass-A counts (COUNTS_BINS of solo_bin a row,
 // `counts_stride` words apart) as the scorer before this kernel wrote them: every thread reads and
 // zeroes its share beside its first keys (take_counts), and a row in registers takes them where
-// they are whole (find_bin_counts)
+// they are whole (find_bin_counts) and its keys agree (topk_reg_body; the word after a row's
+// counts counts its refusals)
 template <int C, int THREADS, bool ALIGNED, bool SLOTS, bool COUNTS = false>
 __device__ __forceinline__ void topk_cluster_row(const float* __restrict__ logits, i64 stride_r,
                                                  const void* lens, int lens64, const void* active,
