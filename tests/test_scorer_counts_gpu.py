@@ -174,7 +174,9 @@ def test_the_counts_step_runs_without_a_sync_and_replays_captured():
     """The public way with ``topk.scorer_counts``: builder and step, the step checked by the
     harness (no host sync, every watched tensor touched), captured once, replayed on new lengths
     (the same answer as the step without the counts), healthy."""
-    from vllm_sparse_sync import DecodeBatch, IndexerLayout, IndexerMetadataBuilder, IndexerStep, SeqLenShadow
+    from decode_rows import DecodeRows
+
+    from vllm_sparse_sync import IndexerLayout, IndexerMetadataBuilder, IndexerStep
     from vllm_sparse_sync.kernels.config import DEFAULT_CONFIG
     from vllm_sparse_sync.testing import check_step, decode_graph, device_tensors
 
@@ -187,17 +189,8 @@ def test_the_counts_step_runs_without_a_sync_and_replays_captured():
     plain = IndexerStep.for_builder(builder)
     route = step.route(rows)
     assert (route.scorer, route.topk_cluster) == ("cuda", 1), route
-    case = make_case([max_len] * rows, heads=64, table_pages=pages, device=DEV, seed=8)
-    q = torch.randn(rows, 64, 128, device=DEV).to(torch.float8_e4m3fn)
-    w = torch.randn(rows, 64, device=DEV)
-    qsl = torch.arange(rows + 1, dtype=torch.int32)
-    seq = torch.randint(1, max_len + 1, (rows,), dtype=torch.int32, device=DEV)
-    shadow = SeqLenShadow(seq.cpu())
-    qsl_dev = qsl.to(DEV)
-
-    def batch():
-        return DecodeBatch(qsl_dev, qsl, seq, shadow, case.block_table, max_len)
-
+    d = DecodeRows(rows, max_len, seed=8, device=DEV)
+    case, q, w, seq, batch = d.case, d.q, d.w, d.seq, d.batch
     meta = builder.build(batch())
     out = torch.empty(rows, K, dtype=torch.int32, device=DEV)
     step.run(meta, q, w, case.k_cache, out=out)  # warm every kernel
@@ -209,9 +202,7 @@ def test_the_counts_step_runs_without_a_sync_and_replays_captured():
     graph = decode_graph(lambda: step.run(meta, q, w, case.k_cache, out=out), inputs=[q, w])
     for seed in (1, 2):
         g = torch.Generator().manual_seed(seed)
-        new = torch.randint(1, max_len + 1, (rows,), dtype=torch.int32, generator=g)
-        seq.copy_(new)
-        shadow.seq_lens_cpu.copy_(new)
+        d.set_lengths(torch.randint(1, max_len + 1, (rows,), dtype=torch.int32, generator=g))
         live = builder.build(batch())
         graph.replay()
         torch.cuda.synchronize()

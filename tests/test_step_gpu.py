@@ -7,6 +7,7 @@ import sys
 
 import pytest
 import torch
+from decode_rows import DecodeRows
 
 from vllm_sparse_sync import DecodeBatch, IndexerLayout, IndexerMetadataBuilder, IndexerStep, SeqLenShadow
 from vllm_sparse_sync.kernels import reference as ref
@@ -209,18 +210,9 @@ def test_the_step_writes_kv_cache_slots_captured_and_without_a_sync(rows, max_le
     if taken == "cluster" and not route.topk_cluster:
         pytest.skip("the cluster top-k needs sm_90+ and cuda-bindings")
     assert {"cluster": bool(route.topk_cluster), "fused": route.fused, "radix": route.kind == "radix"}[taken]
-    case = make_case([max_len] * rows, heads=64, table_pages=pages, device=DEV, seed=7)
-    q = torch.randn(rows, 64, 128, device=DEV).to(torch.float8_e4m3fn)
-    w = torch.randn(rows, 64, device=DEV)
-    qsl = torch.arange(rows + 1, dtype=torch.int32)
-    seq = torch.randint(1, max_len + 1, (rows,), dtype=torch.int32, device=DEV)
-    shadow = SeqLenShadow(seq.cpu())
+    d = DecodeRows(rows, max_len, seed=7, device=DEV)
+    case, q, w, seq, batch = d.case, d.q, d.w, d.seq, d.batch
     attn_table = (case.block_table.flip(1) * 3 + 11).contiguous()  # the attention's own pages
-    qsl_dev = qsl.to(DEV)
-
-    def batch():
-        return DecodeBatch(qsl_dev, qsl, seq, shadow, case.block_table, max_len)
-
     meta = builder.build(batch())
     pos = step.run(meta, q, w, case.k_cache)
     out = torch.empty_like(pos)
@@ -234,9 +226,7 @@ def test_the_step_writes_kv_cache_slots_captured_and_without_a_sync(rows, max_le
                                         slots=attn_table), watch=watch, warmup=1)
     assert check.records == [] and check.touched
     graph = decode_graph(lambda: step.run(meta, q, w, case.k_cache, out=out, slots=attn_table), inputs=[q, w])
-    new = torch.randint(1, max_len + 1, (rows,), dtype=torch.int32)
-    seq.copy_(new)
-    shadow.seq_lens_cpu.copy_(new)
+    d.set_lengths(torch.randint(1, max_len + 1, (rows,), dtype=torch.int32))
     live = builder.build(batch())
     graph.replay()
     torch.cuda.synchronize()
