@@ -15,6 +15,8 @@ settings.register_profile("ci", deadline=None, max_examples=60,
                           suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("thorough", deadline=None, max_examples=500,
                           suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("quick", deadline=None, max_examples=3,  # under compute-sanitizer
+                          suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
