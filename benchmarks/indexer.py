@@ -895,7 +895,7 @@ def main() -> None:
     ap.add_argument("--peers-only", action="store_true")
     ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--config", default="")
-    ap.add_argument("--config-file", default="", help="JSON config (variants.py --best); overrides --config")
+    ap.add_argument("--config-file", default="", help="a KernelConfig as JSON (KernelConfig.to_dict); overrides --config")
     ap.add_argument("--topk-algos", default="radix,sample,cuda_radix",
                     help="top-k algorithms to time besides the config's (topk_<algo>_us, step_<algo>_us)")
     ap.add_argument("--combine", nargs="*")

@@ -16,7 +16,7 @@ mkdir -p .peers .peers_topk "$tmp/unpacked"
 unzip -q -o "$wheel" 'vllm/third_party/deep_gemm/*' 'vllm/_C_stable_libtorch.abi3.so' -d "$tmp/unpacked"
 tar -C "$tmp/unpacked" -czf .peers/peers.tgz vllm/third_party
 so="$tmp/unpacked/vllm/_C_stable_libtorch.abi3.so"
-python3 benchmarks/trim_fatbin.py "$so" "$tmp/trimmed.so" --keep 90
+python3 tools/trim_fatbin.py "$so" "$tmp/trimmed.so" --keep 90
 strip --strip-unneeded "$tmp/trimmed.so"
 xz -T0 -9 -c "$tmp/trimmed.so" > .peers_topk/cstable.xz
 ls -la .peers .peers_topk

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session's validation, logs under $OUT (or ./gpu_logs): GPU tests under xdist with the
-# harness report, the audit and the selftest on the GPU, then the indexer benchmark, the CUDA
-# top-k and DCP merge checks, and on two GPUs the DCP tests and benchmark. The decode loop
+# harness report, the audit and the selftest on the GPU, then the indexer benchmark and the DCP
+# merge check, and on two GPUs the DCP tests and benchmark. The decode loop
 # (benchmarks/decode_loop.py, about 6 minutes) runs on its own.
 # Usage: bash scripts/gpu_validate.sh [benchmark-name]   (run from the repository root; copy the
 # benchmark JSON from $OUT into benchmarks/results/ afterwards)
@@ -16,8 +16,7 @@ python3 -m vllm_sparse_sync.cli audit --json "$out/audit.json" 2>&1 | tee "$out/
 python3 -m vllm_sparse_sync.cli selftest 2>&1 | tee "$out/selftest.log" | tail -40
 python3 benchmarks/indexer.py --topk-algos radix,sample,cuda_radix --out "$out/$name.json" \
   2>&1 | tee "$out/bench.log" | tail -30
-python3 benchmarks/cuda_topk_check.py --quick --variants cauto,1024x4,c1,c2,c4,c8 2>&1 | tee "$out/cuda_topk_check.log" | tail -14
-python3 benchmarks/dcp_merge_check.py --out "$out/dcp_merge_check.json" 2>&1 | tail -9
+python3 tools/dcp_merge_check.py --out "$out/dcp_merge_check.json" 2>&1 | tail -9
 # two GPUs or more (nvidia-h200-x2): DCP over NCCL (skips with its reason on one GPU)
 if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
   python3 -m pytest -q -p vllm_sparse_sync.testing.plugin tests/test_dcp_gpu.py 2>&1 | tail -5

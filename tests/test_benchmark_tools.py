@@ -1,9 +1,9 @@
 """benchmarks/indexer.py's run arithmetic, on the CPU: ``merge_rounds`` (one shape's rotated
 rounds as one result) and ``spread`` (each shape's ratios across runs of one build); and
-benchmarks/wgmma_rate.py's source (one kernel a form, compiled by NVRTC where it is) and its
-cycle arithmetic; benchmarks/wide_bound.py's arguments and table; the argument parsing and
-arithmetic of peer_probe.py, step_parts.py, step_drift.py, step_energy.py, step_ab.py and
-workspace_spread.py; cold_l2.py's table; graph_timer.py's interleaved timing."""
+tools/wgmma_rate.py's source (one kernel a form, compiled by NVRTC where it is) and its
+cycle arithmetic; tools/wide_bound.py's arguments and table; the argument parsing and
+arithmetic of step_drift.py, step_energy.py, step_ab.py and workspace_spread.py; cold_l2.py's
+table; graph_timer.py's interleaved timing."""
 
 from __future__ import annotations
 
@@ -16,17 +16,12 @@ import tarfile
 
 import pytest
 
-PATH = pathlib.Path(__file__).parents[1] / "benchmarks" / "indexer.py"
+from scripts import load_script
 
 
 def load_benchmark(name: str):
-    """The script ``benchmarks/<name>.py`` as a module (its folder on the path, as when it runs)."""
-    if str(PATH.parent) not in sys.path:
-        sys.path.insert(0, str(PATH.parent))
-    spec = importlib.util.spec_from_file_location(f"{name}_bench", PATH.parent / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    """The script ``benchmarks/<name>.py`` or ``tools/<name>.py`` as a module."""
+    return load_script(name, f"{name}_bench")
 
 
 def main_exit_code(mod, argv: list[str], monkeypatch) -> int:
@@ -88,10 +83,7 @@ def test_derive_compares_the_step_with_the_fastest_checked_peer_stack(indexer):
 def test_the_wgmma_rate_source_compiles_one_kernel_a_form():
     from vllm_sparse_sync.kernels import cuda_scorer, cuda_topk
 
-    sys.path.insert(0, str(PATH.parent))
-    spec = importlib.util.spec_from_file_location("wgmma_rate", PATH.parent / "wgmma_rate.py")
-    rate = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(rate)
+    rate = load_benchmark("wgmma_rate")
     assert rate.per_tile(2048000.0, 2000, 4) == (256.0, 1024.0)  # 4 warpgroups: an SM's tile a quarter
     text = rate.source()
     names = [f"rate_{name}" for name, *_ in rate.FORMS]
@@ -123,28 +115,6 @@ def test_wide_bound_takes_lengths_and_tables_each_columns_fastest_repeat(wide_bo
     got = dict(zip(cols, cells))
     assert got["L"] == "4096" and got["step_exact"] == "7.70" and got["topk_exact"] == "4.40"
     assert got["step_wide_host"] == "-"  # not measured
-
-
-@pytest.fixture(scope="module")
-def peer_probe():
-    return load_benchmark("peer_probe")
-
-
-def test_peer_probe_reads_peers_and_probe_lists(peer_probe):
-    assert peer_probe.parse_peers("") == ()
-    assert peer_probe.parse_peers("all") == peer_probe.PEERS
-    assert peer_probe.parse_peers("sgl,deepgemm") == ("deepgemm", "sgl")  # in load order
-    with pytest.raises(ValueError, match="unknown peer"):
-        peer_probe.parse_peers("deepgemm,flashinfer")
-    got = peer_probe.parse_probes("all:1:on deepgemm+vllm:0:off none:1:on")
-    assert got == [("all", 1, "on"), ("deepgemm,vllm", 0, "off"), ("", 1, "on")]
-    for bad in ("all:1", "all:x:on", "all:1:maybe", "dg:1:on", ""):
-        with pytest.raises(ValueError):
-            peer_probe.parse_probes(bad)
-    # every default probe names known peers and a cache state
-    for peers, narrow, cache in peer_probe.PROBES:
-        peer_probe.parse_peers(peers)
-        assert narrow in (0, 1) and cache in ("on", "off")
 
 
 def test_targets_table_marks_misses_and_counts_only_measured_shapes(indexer):
@@ -228,17 +198,9 @@ def test_shape_options_read_rows_by_width_and_exit_2_naming_the_option(monkeypat
     with pytest.raises(SystemExit) as exc:
         cold.shape_arg(ap, "1x4096,2x4096")  # a list where one shape is asked for
     assert exc.value.code == 2 and "--shape: one ROWSxWIDTH" in capsys.readouterr().err
-    mod = load_benchmark("step_parts")  # a script's own option, before it looks for a GPU
+    mod = load_benchmark("step_ab")  # a script's own option, before it looks for a GPU
     assert main_exit_code(mod, ["--shapes", "1x100"], monkeypatch) == 2
     assert "--shapes: '1x100'" in capsys.readouterr().err
-
-
-def test_step_parts_computes_the_gap():
-    mod = load_benchmark("step_parts")
-    row = mod.gap_row(64, 65536, dict(step=166.0, scorer=142.5, topk=21.0, pair=165.0, pair_no_pdl=164.0))
-    assert row["gap"] == pytest.approx(2.5) and row["pair_gap"] == pytest.approx(1.5)
-    lines = mod.table([row]).splitlines()
-    assert lines[0].split(" | ")[-2:] == ["gap", "pair_gap |"] and "| 2.5 | 1.5 |" in lines[2]
 
 
 def test_spread_takes_todays_ratios_from_an_older_runs_times(indexer, tmp_path, monkeypatch, capsys):

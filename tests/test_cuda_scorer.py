@@ -251,17 +251,11 @@ def test_the_default_build_copies_pages_evict_first():
 
 
 def test_the_variant_tool_launches_the_library_source_as_the_module_does():
-    """benchmarks/cuda_scorer_variants.py: a variant spec parses (a malformed one is refused by
+    """tools/cuda_scorer_variants.py: a variant spec parses (a malformed one is refused by
     name), and the library source's launch geometry read from its macros is the module's."""
-    import importlib.util
-    import pathlib
-    import sys
+    from scripts import load_script
 
-    path = pathlib.Path(__file__).parents[1] / "benchmarks" / "cuda_scorer_variants.py"
-    spec = importlib.util.spec_from_file_location("cuda_scorer_variants", path)
-    tool = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = tool  # its dataclass looks its module up
-    spec.loader.exec_module(tool)
+    tool = load_script("cuda_scorer_variants")
     v = tool.parse_variant("c5=@12:CONSUMERS=5,STAGES_SHORT=20")
     assert (v.name, v.path, v.defines, v.stages) == ("c5", "", {"CONSUMERS": 5, "STAGES_SHORT": 20}, 12)
     # the ring launched: @S/N (N live tiles for every slot), @S (every slot), none (the library's)

@@ -470,20 +470,10 @@ def test_status_says_why_without_a_device():
 
 
 def _bench_tool(name: str):
-    """benchmarks/<name>.py as a module (the benchmarks folder on the path while it loads)."""
-    import importlib.util
-    import pathlib
-    import sys
+    """tools/<name>.py as a module."""
+    from scripts import load_script
 
-    bench = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
-    sys.path.insert(0, str(bench))  # its graph_timer, cuda_topk_phases
-    try:
-        spec = importlib.util.spec_from_file_location(name, bench / f"{name}.py")
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-    finally:
-        sys.path.remove(str(bench))
-    return mod
+    return load_script(name)
 
 
 def _phases_tool():
@@ -491,7 +481,7 @@ def _phases_tool():
 
 
 def test_the_phase_tool_sizes_each_source_by_its_own_layout():
-    """benchmarks/cuda_topk_phases.py: a copy of the source is launched with the shared memory its
+    """tools/cuda_topk_phases.py: a copy of the source is launched with the shared memory its
     own pass counts take (run 197's copy laid out more than the library's host sized for and read
     past its allocation); the library's source gets the planner's sizes; a copy that cannot fit
     or whose layout cannot be read is refused."""
@@ -518,7 +508,7 @@ def test_the_phase_tool_sizes_each_source_by_its_own_layout():
 
 
 def test_phase_cuts_anchor_in_the_library_source():
-    """benchmarks/cuda_topk_phases.py: every cut finds its place in cuda_topk.cu (a refactor that
+    """tools/cuda_topk_phases.py: every cut finds its place in cuda_topk.cu (a refactor that
     moves one fails here, not on the GPU host), and keeping one kernel drops every other one."""
     ph = _phases_tool()
     source = cuda_topk.source()
@@ -537,7 +527,7 @@ def test_phase_cuts_anchor_in_the_library_source():
 
 
 def test_the_phase_tool_times_the_slots_entries(monkeypatch, capsys):
-    """benchmarks/cuda_topk_phases.py --slots PAGE: the slots module's entry of a cut source (the
+    """tools/cuda_topk_phases.py --slots PAGE: the slots module's entry of a cut source (the
     one the tool launches, by the library's name), a page table of distinct pages per row that
     covers the width, and a page size that is not a power of two up to 2^20 refused (the library's
     check, reference.page_size_bits, whose message the tool prefixes with ``--slots:``)."""
@@ -642,7 +632,7 @@ ptxas info    : Used 58 registers, used 1 barriers, 880 bytes smem
 
 
 def test_trace_stamps_anchor_in_the_library_source():
-    """benchmarks/cuda_topk_trace.py: every stamp finds its place in cuda_topk.cu, each slot is
+    """tools/cuda_topk_trace.py: every stamp finds its place in cuda_topk.cu, each slot is
     stamped, and a source without an anchor is refused by name."""
     tr = _bench_tool("cuda_topk_trace")
     text = tr.traced_source(None, {(1, 512)})
@@ -661,7 +651,7 @@ def test_traced_source_compiles():
 
 
 def test_step_timeline_stamps_every_cluster_kernel_once():
-    """benchmarks/step_timeline.py: the entry, release and end stamps find their one place each in
+    """tools/step_timeline.py: the entry, release and end stamps find their one place each in
     cuda_topk.cu (the release right after the dependency wait, the end after the row), and a
     source that moved an anchor is refused by name."""
     st = _bench_tool("step_timeline")

@@ -1,4 +1,4 @@
-"""benchmarks/trim_fatbin.py on a synthetic ELF: the kept architecture's payloads and every header
+"""tools/trim_fatbin.py on a synthetic ELF: the kept architecture's payloads and every header
 stay byte for byte, the others become zeros, and a file with nothing to keep is refused."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import struct
 
 import pytest
 
-TOOL = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "trim_fatbin.py"
+TOOL = pathlib.Path(__file__).resolve().parent.parent / "tools" / "trim_fatbin.py"
 
 
 def _tool():
