@@ -204,6 +204,12 @@ def _step_cases() -> list[Bad]:
         Bad("run-slots-str", "slots", _step_call(slots="yes")),
         Bad("run-slots-float-table", "page_table", _step_call(slots=torch.zeros(2, 16))),
         Bad("run-slots-int64-table", "page_table", _step_call(slots=torch.zeros(2, 16, dtype=torch.int64))),
+        Bad("step-route-str", "rows", lambda: IndexerStep(LAY, max_rows=4, max_pages_per_req=4, device="cpu").route("2")),
+        Bad("step-route-past-max", "rows", lambda: IndexerStep(LAY, max_rows=4, max_pages_per_req=4,
+                                                               device="cpu").route(5)),
+        Bad("step-contract-none", "meta", lambda: IndexerStep(LAY, max_rows=4, max_pages_per_req=4,
+                                                              device="cpu").contract(None)),
+        Bad("step-for-builder", "builder", lambda: IndexerStep.for_builder(None)),
     ]
     for i, v in enumerate([*NOT_INTS, 0]):
         out.append(Bad(f"step-max-rows-{i}", "max_rows",
@@ -270,6 +276,11 @@ def _kernel_cases() -> list[Bad]:
         Bad("select-unmapped-int64", "unmapped", lambda: kernels.topk_indices(
             logits, torch.tensor([64, 64]), 8, page_table=torch.zeros(2, 1, dtype=torch.int32), page_size=64,
             unmapped=torch.zeros(1, dtype=torch.int64))),
+        Bad("quantize-meta", "k", lambda: kernels.quantize_index_k(torch.zeros(2, 8, device="meta"))),
+        Bad("quantize-pow2-str", "pow2_scale", lambda: kernels.quantize_index_k(torch.ones(2, 8), pow2_scale="no")),
+        Bad("workspace-device", "device", lambda: kernels.make_workspace(2, 8, 64, "nonsense")),
+        Bad("route-page-zero", "page", lambda: kernels.plan_route(2, 64, 0, kernels.DeviceInfo(4))),
+        Bad("route-page-48", "page", lambda: kernels.plan_route(2, 64, 48, kernels.DeviceInfo(4))),
         Bad("slots-indices-list", "indices", lambda: kernels.page_table_slots([[0]], torch.zeros(1, 1, dtype=torch.int32),
                                                                               64)),
         Bad("slots-page-size-bool", "page_size", lambda: kernels.page_table_slots(
@@ -289,6 +300,22 @@ def _lengths_cases() -> list[Bad]:
         Bad("local-to-global-rank-bool", "rank", lambda: dcp.local_to_global(pos, 2, True)),
         Bad("merge-k-float", "k", lambda: dcp.merge_topk_candidates(torch.zeros(1, 1, 2), torch.zeros(1, 1, 2), 2.0)),
         Bad("rank-layout-dict", "layout", lambda: rank_layout({"backend": "b12x"})),
+        Bad("compress-list", "lengths", lambda: lengths.compress([5], 2)),
+        Bad("compress-str", "lengths", lambda: lengths.compress("5", 2)),
+        Bad("localize-float-array", "lengths", lambda: lengths.dcp_localize(np.array([5.0]), 2, 0)),
+        Bad("localize-float-tensor", "lengths", lambda: lengths.dcp_localize(torch.tensor([5.0]), 2, 0)),
+        Bad("expand-list", "seq_lens", lambda: lengths.expand_per_token([5], torch.tensor([0, 1]), 1)),
+        Bad("expand-rows-float", "num_rows", lambda: lengths.expand_per_token(torch.tensor([5]), torch.tensor([0, 1]),
+                                                                              1.0)),
+        Bad("local-to-global-list", "local_pos", lambda: dcp.local_to_global([0, 5], 2, 0)),
+        Bad("local-to-global-float", "local_pos", lambda: dcp.local_to_global(torch.tensor([0.5]), 2, 0)),
+        Bad("global-to-local-list", "global_pos", lambda: dcp.global_to_local([0, 5], 2, 0)),
+        Bad("keys-list", "scores", lambda: dcp.candidate_keys([1.0], torch.tensor([0]))),
+        Bad("keys-int-scores", "scores", lambda: dcp.candidate_keys(torch.tensor([1]), torch.tensor([0]))),
+        Bad("keys-float-ids", "global_ids", lambda: dcp.candidate_keys(torch.tensor([1.0]), torch.tensor([0.0]))),
+        Bad("key-ids-list", "keys", lambda: dcp.key_ids([1])),
+        Bad("merge-keys-list", "keys", lambda: dcp.merge_candidate_keys([[[1]]], 1)),
+        Bad("merge-scores-list", "scores", lambda: dcp.merge_topk_candidates([1.0], torch.zeros(1, 1, 1), 1)),
     ]
 
 
@@ -303,7 +330,8 @@ def test_every_bad_input_is_a_clear_error_from_this_package(bad):
 def test_the_sweep_covers_every_public_entry_point():
     names = {b.name.split("-")[0] for b in CASES}
     assert names >= {"layout", "bound", "shadow", "builder", "build", "step", "run", "write", "quantize",
-                     "logits", "topk", "select", "slots", "compress", "ceil", "localize", "merge"}
+                     "logits", "topk", "select", "slots", "compress", "ceil", "localize", "merge", "expand",
+                     "local", "global", "keys", "key", "workspace", "route"}
     assert len(CASES) > 200
 
 

@@ -75,11 +75,12 @@ def same_device(name: str, t: torch.Tensor, want: torch.device) -> None:
         raise ValueError(f"{name}: must live on {want}, got a tensor on {t.device}")
 
 
-def tensor(name: str, value: object) -> torch.Tensor:
-    """``value`` if it is a tensor, else a ``TypeError`` naming it (lists and arrays included)."""
+def tensor(name: str, value: object, *, allow_meta: bool = False) -> torch.Tensor:
+    """``value`` if it is a tensor, else a ``TypeError`` naming it (lists and arrays included); a
+    meta tensor is a ``ValueError`` unless ``allow_meta`` (device ops that read no data)."""
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name}: must be a torch.Tensor, got {type(value).__name__}")
-    if value.device.type == "meta":
+    if value.device.type == "meta" and not allow_meta:
         raise ValueError(f"{name}: a meta tensor holds no data")
     return value
 
@@ -87,10 +88,10 @@ def tensor(name: str, value: object) -> torch.Tensor:
 INT_DTYPES = (torch.int32, torch.int64)
 
 
-def int_tensor(name: str, value: object, dtypes: tuple = INT_DTYPES) -> torch.Tensor:
+def int_tensor(name: str, value: object, dtypes: tuple = INT_DTYPES, *, allow_meta: bool = False) -> torch.Tensor:
     """``value`` as a tensor of one of ``dtypes`` (int32 or int64 by default): floats, bools and
     other integer widths are refused, never cast."""
-    t = tensor(name, value)
+    t = tensor(name, value, allow_meta=allow_meta)
     if t.dtype not in dtypes:
         names = " or ".join(str(d).replace("torch.", "") for d in dtypes)
         raise ValueError(f"{name}: must be {names}, got {t.dtype}")

@@ -19,18 +19,22 @@ from typing import TypeVar
 import numpy as np
 import torch
 
+from . import checks
 from .checks import host_int
 
 Lengths = TypeVar("Lengths", int, np.ndarray, torch.Tensor)
 
 
 def _host64(lengths: Lengths) -> Lengths:
-    """Host lengths in int64 (Python ints and tensors as they are)."""
+    """Host lengths in int64 (Python ints and tensors as they are); anything but integer lengths
+    is a ``TypeError`` naming ``lengths``."""
     if isinstance(lengths, np.ndarray):
+        if lengths.dtype.kind not in "iu":
+            raise TypeError(f"lengths: must hold integers, got a numpy array of {lengths.dtype}")
         return lengths.astype(np.int64, copy=False)
-    if isinstance(lengths, np.integer):
-        return int(lengths)
-    return lengths
+    if isinstance(lengths, torch.Tensor):
+        return checks.int_tensor("lengths", lengths, allow_meta=True)
+    return host_int("lengths", lengths)
 
 
 def compress(lengths: Lengths, ratio: int) -> Lengths:
@@ -101,6 +105,8 @@ def token_request_index(query_start_loc: torch.Tensor, num_rows: int) -> torch.T
     Tokens at or past ``query_start_loc[-1]`` get the index ``len(query_start_loc) - 1``
     (one past the last request), which callers treat as padding.
     """
+    checks.int_tensor("query_start_loc", query_start_loc, allow_meta=True)
+    num_rows = host_int("num_rows", num_rows, low=0)
     tokens = torch.arange(num_rows, device=query_start_loc.device, dtype=query_start_loc.dtype)
     return torch.searchsorted(query_start_loc[1:].contiguous(), tokens, right=True)
 
@@ -112,6 +118,9 @@ def expand_per_token(seq_lens: torch.Tensor, query_start_loc: torch.Tensor, num_
     query lengths (``n + 1`` entries). Returns ``num_rows`` int32 lengths; rows past the last
     token, and negative lengths, are 0. Sync-free on device tensors.
     """
+    checks.int_tensor("seq_lens", seq_lens, allow_meta=True)
+    checks.int_tensor("query_start_loc", query_start_loc, allow_meta=True)
+    num_rows = host_int("num_rows", num_rows, low=0)
     num_reqs = query_start_loc.shape[0] - 1
     if num_reqs <= 0 or seq_lens.shape[0] == 0:
         return torch.zeros(num_rows, dtype=torch.int32, device=seq_lens.device)

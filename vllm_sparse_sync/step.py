@@ -88,15 +88,18 @@ class IndexerStep:
     def contract(self, meta: IndexerDecodeMetadata) -> tuple[torch.Tensor | None, int]:
         """``(active_width, width)`` of a call on ``meta``: B12X clamps on the device within the
         block table's width; DeepGEMM-style takes the host bound as the width."""
+        if not isinstance(meta, IndexerDecodeMetadata):
+            raise TypeError(f"meta: must be IndexerDecodeMetadata (from the builder), got {type(meta).__name__}")
         if self.layout.backend is IndexerBackend.B12X:
             return meta.active_width, meta.block_table.shape[1] * self.layout.page_size
         return None, meta.bound.value
 
     def route(self, rows: int, width: int | None = None) -> Route | None:
         """The kernels a call of ``rows`` rows takes here (None: the torch reference, off CUDA)."""
+        rows = checks.host_int("rows", rows, low=0, high=self.max_rows)
+        width = self.width_capacity if width is None else checks.host_int("width", width, low=0)
         if self.workspace is None:
             return None
-        width = self.width_capacity if width is None else width
         return self.workspace.route(rows, width, self.layout.page_size)
 
     # -------------------------------------------------------------------------- run

@@ -113,7 +113,9 @@ def indexer_topk(q_fp8, weights, k_cache, block_table, row_lens, k, *, active_wi
 
 def make_workspace(rows: int, k: int, width: int = 0, device="cuda", config=None):
     """An ``IndexerTopkWorkspace`` for CUDA devices; ``None`` elsewhere (the reference needs none)."""
-    if torch.device(device).type != "cuda":
+    from .. import checks
+
+    if checks.device("device", device).type != "cuda":
         return None
     from .config import DEFAULT_CONFIG
     from .workspace import IndexerTopkWorkspace

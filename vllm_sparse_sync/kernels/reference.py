@@ -128,8 +128,8 @@ def quantize_index_k(k: torch.Tensor, *, pow2_scale: bool = True) -> tuple[torch
     ``scale = max(amax, 1e-4) / 448``, rounded up to a power of two when ``pow2_scale`` (ue8m0,
     as vLLM stores it); ``k ~= k_fp8 * scale``.
     """
-    if not isinstance(k, torch.Tensor):
-        raise TypeError(f"k: must be a tensor, got {type(k).__name__}")
+    checks.tensor("k", k)
+    pow2_scale = checks.flag("pow2_scale", pow2_scale)
     _check(k.dim() == 2, "k", f"must be 2-D [tokens, head_dim], got {tuple(k.shape)}")
     _check(k.is_floating_point(), "k", f"must be floating point, got {k.dtype}")
     kf = k.float()
