@@ -11,6 +11,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 
 import vllm_sparse_sync
@@ -413,3 +415,59 @@ def test_numpy_integers_are_taken_wherever_a_host_int_is(np_int):
 def test_numpy_bools_are_taken_where_a_flag_is_but_never_as_ints(flag):
     assert IndexerMetadataBuilder(LAY, device="cpu", check_bound=flag, **CAPS).check_bound is True
     assert_project_error(lambda: IndexerLayout(backend="b12x", max_model_len=1024, topk=flag), "topk")
+
+
+# ------------------------------------------------------------------- the sweep, by hypothesis
+def _entry_points():
+    """Each kernel entry point as (call, {argument: (valid value, kind)}): kind "int", "float" or
+    "uint8" for tensors of that family, "host" for a host int, "opt-int" for an optional int tensor."""
+    c = _case()
+    k8, ks = kernels.quantize_index_k(torch.randn(3, 128))
+    logits = torch.randn(2, 64)
+    lens = torch.tensor([64, 3], dtype=torch.int32)
+    table = torch.zeros(2, 2, dtype=torch.int32)
+    return {
+        "topk_indices": (kernels.topk_indices, dict(logits=(logits, "float"), row_lens=(lens, "int"), k=(8, "host"),
+                                                    active_width=(None, "opt-int"))),
+        "indexer_topk": (kernels.indexer_topk, dict(q_fp8=(c.q_fp8, "fp8"), weights=(c.weights, "float"),
+                                                    k_cache=(c.k_cache, "uint8"), block_table=(c.block_table, "int"),
+                                                    row_lens=(c.row_lens, "int"), k=(8, "host"),
+                                                    active_width=(None, "opt-int"))),
+        "paged_indexer_logits": (kernels.paged_indexer_logits,
+                                 dict(q_fp8=(c.q_fp8, "fp8"), weights=(c.weights, "float"), k_cache=(c.k_cache, "uint8"),
+                                      block_table=(c.block_table, "int"), row_lens=(c.row_lens, "int"),
+                                      width=(64, "host"))),
+        "page_table_slots": (kernels.page_table_slots, dict(indices=(lens.view(2, 1), "int"), page_table=(table, "int"),
+                                                            page_size=(64, "host"))),
+        "write_index_k_cache": (kernels.write_index_k_cache,
+                                dict(k_cache=(torch.zeros(2, 64 * 132, dtype=torch.uint8), "uint8"), k_fp8=(k8, "fp8"),
+                                     k_scale=(ks, "float"), slot_mapping=(torch.tensor([0, 1, 2]), "int"))),
+    }
+
+
+def _bad_values(kind: str, valid) -> list:
+    common = [[1, 2], np.zeros(2, dtype=np.int32), "x", 3.5]
+    if kind == "host":
+        return [2.5, "8", True, np.bool_(False), torch.tensor(8), [8], -1, 2**40, None, np.float32(8)]
+    if kind == "opt-int":
+        return [*common, torch.tensor([64.0]), torch.tensor([64, 1]), torch.tensor([True]),
+                torch.tensor([5], device="meta")]
+    wrong_dtype = {"int": valid.float(), "float": valid.to(torch.int32), "uint8": valid.to(torch.int32),
+                   "fp8": valid.float()}[kind]
+    return [*common, None, wrong_dtype, valid.to("meta"), valid.reshape(-1)[:1].reshape(1, 1, 1, 1)]
+
+
+ENTRY_NAMES = sorted(_entry_points())
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data())
+def test_random_bad_arguments_to_the_kernels_are_clear_errors(data):
+    name = data.draw(st.sampled_from(ENTRY_NAMES))
+    fn, args = _entry_points()[name]
+    arg = data.draw(st.sampled_from(sorted(args)))
+    valid, kind = args[arg]
+    bad = data.draw(st.sampled_from(range(len(_bad_values(kind, valid)))))
+    call = {a: v for a, (v, _) in args.items()}
+    call[arg] = _bad_values(kind, valid)[bad]
+    assert_project_error(lambda: fn(**call), arg)
