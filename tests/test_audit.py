@@ -10,8 +10,8 @@ from vllm_sparse_sync.cli import main
 
 REQUIRED = {
     "b12x-compressed", "b12x-uncompressed", "b12x-uncompressed-dcp2", "b12x-uncompressed-async-spec",
-    "deepgemm-compressed", "deepgemm-uncompressed", "deepgemm-uncompressed-async-spec", "mtp-ragged",
-    "capture",
+    "deepgemm-compressed", "deepgemm-uncompressed", "deepgemm-uncompressed-async-spec",
+    "deepgemm-uncompressed-no-shadow", "mtp-ragged", "capture",
 }
 
 

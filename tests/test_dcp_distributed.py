@@ -149,7 +149,7 @@ def _construct(ctx, how: str):
     ("world", "layout.dcp_world_size=4 does not match the process group's size 2"),
     ("rank", "rank 1: layout.dcp_rank=0 is not this process's rank 1"),
     ("topk", "rank 1: topk=32 differs from rank 0's 16"),
-    ("max_rows", "rank 0: max_rows: must be a positive int, got 0"),
+    ("max_rows", "rank 0: max_rows: must be >= 1, got 0"),
     ("merge_route", "rank 1: merge_route: must be one of auto, cuda, triton, torch, got 'sorted'"),
     ("cuda_merge_on_cpu", "rank 1: merge_route='cuda': the CUDA merge cannot run here (device cpu)"),
 ])

@@ -43,7 +43,7 @@ def test_scenario_names_follow_the_audit_paths():
     assert S.NAMES == (
         "b12x-compressed", "b12x-uncompressed", "b12x-uncompressed-dcp2",
         "b12x-uncompressed-async-spec", "deepgemm-compressed", "deepgemm-uncompressed",
-        "deepgemm-uncompressed-async-spec", "mtp-ragged", "capture")
+        "deepgemm-uncompressed-async-spec", "deepgemm-uncompressed-no-shadow", "mtp-ragged", "capture")
     assert S.backend_of("mtp-ragged") == "b12x" and S.backend_of("capture") == "deepgemm"
     with pytest.raises(ValueError, match="unknown scenario"):
         S.make_scenario("nope", "cpu")

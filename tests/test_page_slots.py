@@ -62,7 +62,7 @@ def test_a_position_past_the_table_or_padding_is_minus_one_and_others_keep_their
     ("table", 64, "must be a tensor"),
 ])
 def test_bad_page_tables_are_refused_naming_the_field(table, size, match):
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises((ValueError, TypeError), match=match):
         page_table_slots(torch.zeros(2, 3, dtype=torch.int32), table, size)
 
 
@@ -121,10 +121,12 @@ def test_the_step_refuses_slots_on_a_dcp_rank_and_a_table_of_the_wrong_kind():
         step.run(meta, *args, slots=meta.block_table.to(torch.int64))
 
 
-def _kernel_params() -> list[str]:
-    """The cluster kernels' parameter declarations, from the source's kernel macro."""
+def _kernel_params(slots: bool = False) -> list[str]:
+    """The cluster kernels' parameter declarations, from the source's kernel macro (``slots``:
+    the slots entries')."""
     src = cuda_topk.source()
-    m = re.search(r"topk_cluster_c##C##_t##T##_a##A##SUF\((.*?)\)\s*\{", src, re.S)
+    name = "_slots" if slots else "SUF"
+    m = re.search(r"topk_cluster_c##C##_t##T##_a##A##" + name + r"\((.*?)\)\s*\{", src, re.S)
     assert m, "the cluster kernel macro moved"
     return [p.replace("\\", " ").strip() for p in m.group(1).split(",")]
 
@@ -143,15 +145,17 @@ def test_the_host_passes_every_cluster_kernel_parameter_in_order(with_table, mon
     lens = torch.zeros(2, dtype=torch.int32)
     out = torch.zeros(2, 8, dtype=torch.int32)
     table = torch.tensor([[3, 4], [5, 6]], dtype=torch.int32)
-    tail = cuda_topk.cluster_tail(64, False, table if with_table else None, 5)
+    unmapped = torch.zeros(1, dtype=torch.int32)
+    tail = cuda_topk.cluster_tail(64, False, table if with_table else None, 5, unmapped if with_table else None)
     cuda_topk._launch(None, None, (1, 2, 1), 512, 0, x, 64, lens, None, out, 8, 64, True, tail)
     values = seen["values"]
-    params = _kernel_params()
+    params = _kernel_params(slots=with_table)
     assert [type(v) for v in values] == [_ctype_of(p) for p in params], params
     named = dict(zip([p.split()[-1] for p in params], values))
     if with_table:
         assert named["page_table"].value == table.data_ptr()
         assert (named["page_stride"].value, named["page_bits"].value, named["pages"].value) == (2, 5, 2)
+        assert named["unmapped"].value == unmapped.data_ptr()
     else:
         assert named["page_table"].value is None and named["pages"].value == 0
 

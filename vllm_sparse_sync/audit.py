@@ -154,6 +154,33 @@ def format_table(rows: Sequence[AuditRow]) -> str:
     return "\n".join(lines + failures)
 
 
+def device_name(device: torch.device) -> str:
+    """The device in words: ``cpu``, or ``cuda:0 (NVIDIA H100 80GB HBM3)``."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return str(device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return f"cuda:{index} ({torch.cuda.get_device_name(index)})"
+
+
+def verdict(rows: Sequence[AuditRow], device: torch.device) -> str:
+    """One line: ok or FAIL, the paths and batches, and the device they ran on."""
+    where = f"on {device_name(device)}, torch {torch.__version__}"
+    batches = max((r.batches for r in rows), default=0)
+    failed = [r.path for r in rows if not r.ok]
+    if not rows:
+        return f"audit: FAIL: no path ran ({where})"
+    if failed:
+        return f"audit: FAIL: {len(failed)} of {len(rows)} paths ({', '.join(failed)}) ({where})"
+    return (f"audit: ok: {len(rows)} paths x {batches} batches, every bound covers its rows, same top-k, "
+            f"no host reads ({where})")
+
+
+def format_report(rows: Sequence[AuditRow], device: torch.device) -> str:
+    """The audit's printout: the device, the table (and its failures), then the one-line verdict."""
+    return "\n".join([f"device: {device_name(device)}", format_table(rows), verdict(rows, device)])
+
+
 def rows_to_json(rows: Sequence[AuditRow]) -> str:
     """The rows as a JSON list."""
     return json.dumps([asdict(r) for r in rows], indent=2)

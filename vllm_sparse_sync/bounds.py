@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from . import checks
 from .layout import IndexerBackend, IndexerLayout
 from .lengths import compress, compress_ceil, dcp_localize, kernel_lengths
 
@@ -68,8 +69,7 @@ class SeqLenShadow:
         if not isinstance(self.seq_lens_cpu, torch.Tensor):
             raise TypeError(f"seq_lens_cpu: must be a CPU torch.Tensor, "
                             f"got {type(self.seq_lens_cpu).__name__}")
-        if not isinstance(self.authoritative, bool):
-            raise TypeError(f"authoritative: must be a bool, got {self.authoritative!r}")
+        object.__setattr__(self, "authoritative", checks.flag("authoritative", self.authoritative))
         local = self.dcp_local_seq_lens_cpu
         if local is not None and not isinstance(local, torch.Tensor):
             raise TypeError(f"dcp_local_seq_lens_cpu: must be a CPU torch.Tensor or None, "
@@ -131,7 +131,8 @@ def _host_int_tensor(name: str, t: object, *, dims: int = 1) -> torch.Tensor:
             "reading a device tensor here would synchronize the host"
         )
     if t.dtype not in (torch.int32, torch.int64) or t.dim() != dims:
-        raise ValueError(f"{name}: must be a {dims}-D int32 tensor, got {t.dtype} {tuple(t.shape)}")
+        raise ValueError(f"{name}: must be a {dims}-D int32 (or int64) tensor, got {t.dtype} "
+                         f"{tuple(t.shape)}")
     return t
 
 
@@ -191,7 +192,7 @@ def _shadow_lens_host(shadow: SeqLenShadow, ql: QueryLayout, max_seq_len: int) -
     lens_t = _host_int_tensor("shadow.seq_lens_cpu", shadow.seq_lens_cpu)
     if lens_t.shape[0] < n:
         raise ValueError(f"shadow.seq_lens_cpu: needs one entry per request ({n}), got {lens_t.shape[0]}")
-    lens = lens_t.numpy()[:n]
+    lens = lens_t.numpy()[:n].astype(np.int64)
     if n == 0:
         return lens, 0
     lo, hi = int(lens.min()), int(lens.max())
@@ -221,7 +222,7 @@ def _check_dcp_local(shadow: SeqLenShadow, layout: IndexerLayout, lens: np.ndarr
             f"shadow.dcp_local_seq_lens_cpu: needs one entry per request ({n}), got {local_t.shape[0]}"
         )
     local = local_t.numpy()[:n].astype(np.int64)
-    want = dcp_localize(lens, layout.dcp_world_size, layout.dcp_rank, layout.cp_interleave)
+    want = dcp_localize(lens.astype(np.int64), layout.dcp_world_size, layout.dcp_rank, layout.cp_interleave)
     if n and (local != want).any():
         i = _first(local != want)
         raise ValueError(
@@ -256,8 +257,9 @@ def plan_decode(
 ) -> DecodePlan:
     """Validate one step's host data and choose its bound (docs/design.md section 3), without
     device reads."""
-    if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int):
-        raise TypeError(f"max_seq_len: must be a host int, got {type(max_seq_len).__name__}")
+    if not isinstance(layout, IndexerLayout):
+        raise TypeError(f"layout: must be an IndexerLayout, got {type(layout).__name__}")
+    max_seq_len = checks.host_int("max_seq_len", max_seq_len)
     if not 0 <= max_seq_len <= layout.max_model_len:
         raise ValueError(
             f"max_seq_len: must lie in [0, max_model_len={layout.max_model_len}], got {max_seq_len}"
@@ -288,7 +290,9 @@ def decode_topk_bound(
 ) -> DecodeTopkBound:
     """Host bound on every decode row's kernel length, from host data only (docs/design.md
     section 3)."""
-    if capturing:
+    if not isinstance(layout, IndexerLayout):
+        raise TypeError(f"layout: must be an IndexerLayout, got {type(layout).__name__}")
+    if checks.flag("capturing", capturing):
         return DecodeTopkBound(capture_stable_bound(layout), BoundSource.CAPTURE_STABLE)
     return plan_decode(layout, max_seq_len=max_seq_len, query_start_loc_cpu=query_start_loc_cpu,
                        shadow=shadow).bound

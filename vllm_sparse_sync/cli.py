@@ -11,8 +11,39 @@ import sys
 from collections.abc import Sequence
 
 
+DESCRIPTION = ("Check that sparse-attention indexer decode steps never synchronize the host: audit "
+               "the bound paths, measure which torch ops sync (selftest), compile the CUDA kernels "
+               "ahead of time (prebuild).")
+
+SEED_MAX = 2**63 - 1
+"""Largest seed a batch may have (torch generators take 64-bit seeds)."""
+
+
 class UsageError(Exception):
     """A bad option: reported as one line, exit status 2."""
+
+
+def check_paths(paths: Sequence[str] | None, known: Sequence[str]) -> tuple[str, ...] | None:
+    """The ``--path`` values, each known and named once (None: every path)."""
+    if not paths:
+        return None
+    unknown = [p for p in paths if p not in known]
+    if unknown:
+        raise UsageError(f"--path: unknown path(s) {', '.join(unknown)}; known: {', '.join(known)}")
+    twice = sorted({p for p in paths if paths.count(p) > 1})
+    if twice:
+        raise UsageError(f"--path: {', '.join(twice)} named more than once")
+    return tuple(paths)
+
+
+def check_seed(seed: int, paths: int, batches: int) -> None:
+    """Refuse a seed whose batches' seeds (``seed + i * batches + j``) leave ``[0, 2**63 - 1]``."""
+    if batches < 1:
+        raise UsageError(f"--batches: must be >= 1, got {batches}")
+    last = seed + paths * batches - 1
+    if seed < 0 or last > SEED_MAX:
+        raise UsageError(f"--seed: the batches' seeds (seed + path * batches + batch) must lie in "
+                         f"[0, 2**63 - 1]; got --seed {seed} with {paths} path(s) x {batches} batches")
 
 
 def check_output_path(option: str, path: str | None) -> None:
@@ -79,11 +110,8 @@ def _audit_vllm(args: argparse.Namespace) -> int:
         raise UsageError(f"--batches: must be >= 1, got {args.batches}")
     check_output_path("--json", args.json)
     va = _vllm_audit_module()
-    paths = tuple(args.path) if args.path else va.VLLM_PATHS
-    unknown = [p for p in paths if p not in va.VLLM_PATHS]
-    if unknown:
-        raise UsageError(f"--path: unknown vLLM path(s) {', '.join(unknown)}; "
-                         f"known: {', '.join(va.VLLM_PATHS)}")
+    paths = check_paths(args.path, va.VLLM_PATHS) or va.VLLM_PATHS
+    check_seed(args.seed, len(paths), args.batches)
     try:
         baseline = va.load_baseline(args.baseline)
     except (OSError, ValueError) as exc:
@@ -102,21 +130,16 @@ def _audit(args: argparse.Namespace) -> int:
         return _audit_vllm(args)
     if args.with_plugin or args.baseline:
         raise UsageError("--with-plugin and --baseline apply to --target vllm")
-    from .audit import AUDIT_PATHS, format_table, rows_to_json, run_audit
+    from .audit import AUDIT_PATHS, default_device, format_report, rows_to_json, run_audit
 
-    paths = AUDIT_PATHS
-    if args.path:
-        known = {p.name: p for p in AUDIT_PATHS}
-        unknown = [p for p in args.path if p not in known]
-        if unknown:
-            raise UsageError(f"--path: unknown path(s) {', '.join(unknown)}; known: {', '.join(known)}")
-        paths = tuple(known[p] for p in args.path)
-    if args.batches < 1:
-        raise UsageError(f"--batches: must be >= 1, got {args.batches}")
+    known = {p.name: p for p in AUDIT_PATHS}
+    names = check_paths(args.path, tuple(known))
+    paths = tuple(known[p] for p in names) if names else AUDIT_PATHS
+    check_seed(args.seed, len(paths), args.batches)
     check_output_path("--json", args.json)
-    device = parse_device(args.device)
+    device = parse_device(args.device) or default_device()
     rows = run_audit(paths, device=device, seed=args.seed, batches=args.batches)
-    print(format_table(rows))
+    print(format_report(rows, device))
     if args.json:
         with open(args.json, "w") as f:
             f.write(rows_to_json(rows) + "\n")
@@ -131,9 +154,18 @@ def _selftest(args: argparse.Namespace) -> int:
         raise UsageError(f"selftest needs vllm_sparse_sync.testing ({e})") from None
     check_output_path("--json", args.json)
     try:
-        layer_registry.parse_layers(args.layers)
+        layers = layer_registry.parse_layers(args.layers) or ()
     except (TypeError, ValueError) as exc:
         raise UsageError(f"--layers: {exc}") from None
+    why = {name: layer_registry.unavailable_reason(name) for name in layers}
+    if layers and all(why.values()):  # nothing would be measured: never report ok for that
+        reasons = "; ".join(f"{name}: {reason}" for name, reason in why.items())
+        print(f"vllm-sparse-sync selftest: nothing could run here, so nothing was measured ({reasons})",
+              file=sys.stderr)
+        return 1
+    for name, reason in why.items():
+        if reason:
+            print(f"vllm-sparse-sync selftest: {name} is not measured here ({reason})", file=sys.stderr)
     argv = ["--layers", args.layers] + (["--json", args.json] if args.json else [])
     return int(selftest_main(argv) or 0)
 
@@ -176,7 +208,10 @@ def _prebuild(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``vllm-sparse-sync`` command."""
-    parser = argparse.ArgumentParser(prog="vllm-sparse-sync", description=__doc__.splitlines()[0])
+    from . import __version__
+
+    parser = argparse.ArgumentParser(prog="vllm-sparse-sync", description=DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"vllm-sparse-sync {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     audit = sub.add_parser("audit", help="run every bound path through builder and kernels "
                                          "(--target vllm: vLLM's own builder)")
@@ -191,7 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "link}); default: the ones found in vLLM 0.33")
     audit.add_argument("--json", metavar="FILE", help="also write the rows as a JSON list to FILE")
     audit.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
-    audit.add_argument("--path", action="append", help="audit only this path (repeatable)")
+    audit.add_argument("--path", action="append", help="audit only this path (repeatable, each once)")
     audit.add_argument("--seed", type=int, default=0,
                        help="random seed of the first batch (default 0); batch j of path i has "
                             "seed + i * batches + j")

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import torch
 
+from . import checks
 from .lengths import check_dcp
 
 
 def local_to_global(local_pos: torch.Tensor, world_size: int, rank: int,
                     interleave: int = 1) -> torch.Tensor:
     """Rank-local positions -> global positions; ``-1`` (padding) stays ``-1``."""
+    checks.int_tensor("local_pos", local_pos, allow_meta=True)
     check_dcp(world_size, rank, interleave)
     lp = local_pos.long()
     g = (lp // interleave) * (world_size * interleave) + rank * interleave + lp % interleave
@@ -25,6 +27,7 @@ def local_to_global(local_pos: torch.Tensor, world_size: int, rank: int,
 def global_to_local(global_pos: torch.Tensor, world_size: int, rank: int,
                     interleave: int = 1) -> torch.Tensor:
     """Global positions -> this rank's local positions; ``-1`` where the rank does not own them."""
+    checks.int_tensor("global_pos", global_pos, allow_meta=True)
     check_dcp(world_size, rank, interleave)
     gp = global_pos.long()
     owned = (gp >= 0) & ((gp // interleave) % world_size == rank)
@@ -49,6 +52,10 @@ def candidate_keys(scores: torch.Tensor, global_ids: torch.Tensor) -> torch.Tens
     """
     from .kernels.reference import sortable_keys
 
+    checks.tensor("scores", scores, allow_meta=True)
+    checks.int_tensor("global_ids", global_ids, allow_meta=True)
+    if scores.dtype != torch.float32:
+        raise ValueError(f"scores: must be float32, got {scores.dtype}")
     if scores.shape != global_ids.shape:
         raise ValueError(f"scores/global_ids: shapes differ, {tuple(scores.shape)} vs "
                          f"{tuple(global_ids.shape)}")
@@ -59,6 +66,7 @@ def candidate_keys(scores: torch.Tensor, global_ids: torch.Tensor) -> torch.Tens
 
 def key_ids(keys: torch.Tensor) -> torch.Tensor:
     """Global ids of candidate keys (int32; ``-1`` for padding)."""
+    checks.int_tensor("keys", keys, (torch.int64,), allow_meta=True)
     ids = _LOW32 - (keys & _LOW32)
     return torch.where(keys != PAD_KEY, ids, torch.full_like(ids, -1)).to(torch.int32)
 
@@ -94,11 +102,11 @@ def merge_candidate_keys(keys: torch.Tensor, k: int) -> torch.Tensor:
     host reads: capturable. Exact because every winner of the global top-k is in the local
     top-k of the rank that owns it, and the keys of real candidates are unique per row.
     """
+    checks.tensor("keys", keys, allow_meta=True)
     if keys.dim() != 3 or keys.dtype != torch.int64:
         raise ValueError(f"keys: must be int64 [world, rows, k_local], got {keys.dtype} "
                          f"{tuple(keys.shape)}")
-    if isinstance(k, bool) or not isinstance(k, int) or k <= 0:
-        raise ValueError(f"k: must be a positive int, got {k!r}")
+    k = checks.host_int("k", k, low=1)
     world, rows, k_local = keys.shape
     n = world * k_local
     flat = keys.permute(1, 0, 2).reshape(rows, n)
@@ -126,11 +134,12 @@ def merge_topk_candidates(scores: torch.Tensor, global_ids: torch.Tensor, k: int
     kernels' order: NaN lowest; ties to the lowest global id) in the gathered order (rank, then
     slot), ``-1`` padded.
     """
+    checks.tensor("scores", scores, allow_meta=True)
+    checks.tensor("global_ids", global_ids, allow_meta=True)
     if scores.shape != global_ids.shape or scores.dim() != 3:
         raise ValueError(
             f"scores/global_ids: must both be [world, rows, k_local], got {tuple(scores.shape)} "
             f"and {tuple(global_ids.shape)}"
         )
-    if isinstance(k, bool) or not isinstance(k, int) or k <= 0:
-        raise ValueError(f"k: must be > 0, got {k}")
+    k = checks.host_int("k", k, low=1)
     return merge_candidate_keys(candidate_keys(scores, global_ids), k)

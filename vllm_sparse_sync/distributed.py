@@ -40,12 +40,13 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from . import dcp
+from . import checks, dcp
+from .bounds import capture_stable_bound
 from .kernels import reference as ref
 from .kernels.config import DEFAULT_CONFIG, KernelConfig
 from .layout import IndexerLayout
 from .metadata import IndexerDecodeMetadata
-from .step import IndexerStep
+from .step import IndexerStep, StepHealth
 
 LOCAL_ROUTES = ("auto", "triton", "torch")
 MERGE_ROUTES = ("auto", "cuda", "triton", "torch")
@@ -135,13 +136,16 @@ def _merge_route(asked: str, device: torch.device, world: int, k: int) -> str:
     """The merge + remap route that runs: ``asked``, or for ``"auto"`` the CUDA kernel where it
     can run and takes rows of ``world * k`` keys, else the Triton kernel where it fits, else
     torch; on a CPU device ``"auto"`` is torch. A kernel route that cannot take the rows falls
-    back to torch; ``"cuda"`` on a device where the CUDA merge cannot run is an error."""
-    from .kernels import cuda_dcp_merge
+    back to torch; ``"cuda"`` on a device where the CUDA merge cannot run is an error. Nothing is
+    imported for a CPU device's ``"auto"`` or ``"torch"``: that route needs neither Triton nor
+    cuda-bindings."""
+    if asked == "torch" or (asked == "auto" and device.type != "cuda"):
+        return "torch"
     from .kernels.triton_dcp_merge import merge_fits
 
-    if asked == "auto" and device.type != "cuda":
-        return "torch"
     if asked in ("auto", "cuda"):
+        from .kernels import cuda_dcp_merge
+
         ok, why = cuda_dcp_merge.status(device) if device.type == "cuda" else (False, f"device {device}")
         if ok and cuda_dcp_merge.merge_fits(world, k):
             return "cuda"
@@ -202,8 +206,9 @@ class DcpIndexerStep:
         settings = resolved_merge = None
         if not problems:
             try:
-                resolved_merge = _merge_route(merge_route, torch.device(device), world, layout.topk)
-            except ValueError as exc:
+                resolved_merge = _merge_route(merge_route, checks.device("device", device), world,
+                                              layout.topk)
+            except (TypeError, ValueError) as exc:
                 problems.append(str(exc))
         if not problems:
             settings = (layout.topk, layout.cp_interleave, layout.compress_ratio, layout.page_size,
@@ -211,7 +216,8 @@ class DcpIndexerStep:
         self._agree(world, rank, layout if not problems else None, settings, problems)
         self.layout = layout
         self.world_size, self.rank = world, rank
-        self.max_rows = max_rows
+        self.max_rows = max_rows = int(max_rows)
+        max_pages_per_req = int(max_pages_per_req)
         self.device = torch.device(device)
         self.k = layout.topk
         config = DEFAULT_CONFIG if config is None else config
@@ -249,8 +255,10 @@ class DcpIndexerStep:
             out.append(f"layout.dcp_rank={layout.dcp_rank} is not this process's rank {rank} in the "
                        f"group (of size {world})")
         for name, v in (("max_rows", max_rows), ("max_pages_per_req", max_pages_per_req)):
-            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-                out.append(f"{name}: must be a positive int, got {v!r}")
+            try:
+                checks.host_int(name, v, low=1)
+            except (TypeError, ValueError) as exc:
+                out.append(str(exc))
         if config is not None and not isinstance(config, KernelConfig):
             out.append(f"config: must be a KernelConfig, got {type(config).__name__}")
         if local_route not in LOCAL_ROUTES:
@@ -301,9 +309,7 @@ class DcpIndexerStep:
                             f"{type(meta).__name__}")
         rows = meta.num_rows
         self._check_rows(rows)
-        if not isinstance(q_fp8, torch.Tensor) or q_fp8.dim() != 3 or q_fp8.shape[0] != rows:
-            got = tuple(q_fp8.shape) if isinstance(q_fp8, torch.Tensor) else type(q_fp8).__name__
-            raise ValueError(f"q_fp8: must be [num_rows={rows}, heads, head_dim], got {got}")
+        self.inner.check_inputs(meta, q_fp8, weights, k_cache)
         active, width = self.inner.contract(meta)
         if self.local_route == "torch":
             idx, scores = torch_local_candidates(q_fp8, weights, k_cache, meta.block_table,
@@ -332,7 +338,10 @@ class DcpIndexerStep:
 
         ``local_idx`` int ``[rows, k]`` local positions (``-1`` padding), ``local_scores`` fp32
         ``[rows, k]``; every rank must call it with the same ``rows``. Shapes are checked before
-        the collective. Sync-free, static shapes: capturable with NCCL.
+        the collective. Sync-free, static shapes: capturable with NCCL. A position outside this
+        rank's rows (at or past its share of ``max_model_len``'s kernel rows) or below ``-1`` has
+        no global index: it is dropped as padding, counted in ``health().unmapped_slots`` and, with
+        ``VLLM_SPARSE_SYNC_DEVICE_CHECKS=1``, trips a device-side assertion.
         """
         for name, t in (("local_idx", local_idx), ("local_scores", local_scores)):
             if not isinstance(t, torch.Tensor):
@@ -351,7 +360,22 @@ class DcpIndexerStep:
         if local_idx.dtype not in (torch.int32, torch.int64) or local_scores.dtype != torch.float32:
             raise ValueError(f"local_idx/local_scores: must be int32 or int64 / float32, got "
                              f"{local_idx.dtype} / {local_scores.dtype}")
-        return self._merge(local_idx, local_scores, from_logits=False)
+        checks.same_device("local_scores", local_scores, local_idx.device)
+        return self._merge(self._own_positions(local_idx), local_scores, from_logits=False)
+
+    def _own_positions(self, local_idx: torch.Tensor) -> torch.Tensor:
+        """``local_idx`` with every position outside this rank's rows as ``-1``, counted (device
+        ops, no host read)."""
+        cap = capture_stable_bound(self.layout)
+        bad = (local_idx >= cap) | (local_idx < -1)
+        self.inner.unmapped.add_(bad.sum().to(torch.int32))
+        ref.assert_mapped(self.inner.unmapped)
+        return torch.where(bad, torch.full_like(local_idx, -1), local_idx)
+
+    def health(self) -> StepHealth:
+        """The local step's health (``IndexerStep.health``), with the candidates ``merge`` dropped
+        as ``unmapped_slots``; a host read, then cleared."""
+        return self.inner.health()
 
     def _merge(self, local_idx: torch.Tensor, scores: torch.Tensor, *, from_logits: bool) -> DcpTopk:
         """Send keys, all-gather, merge, remap. ``from_logits``: ``scores`` are the scorer's

@@ -1,6 +1,8 @@
 """Coordinate transforms of sequence lengths, on Python ints, CPU tensors and device tensors.
 
-Host values may be Python ints or numpy arrays, device values tensors.
+Host values may be Python ints or numpy arrays (computed in int64 whatever their dtype, so no
+length near ``2**31`` wraps), device values tensors (their dtype kept; the formulas never form a
+value past the largest length, so int32 lengths up to ``2**31 - 1`` are exact).
 
 Coordinates: *tokens* (uncompressed, what the scheduler counts) vs *compressed rows*
 (``tokens // ratio``); *per request* vs *per decode token* (MTP / spec decode); *global* vs
@@ -17,13 +19,28 @@ from typing import TypeVar
 import numpy as np
 import torch
 
+from . import checks
+from .checks import host_int
+
 Lengths = TypeVar("Lengths", int, np.ndarray, torch.Tensor)
+
+
+def _host64(lengths: Lengths) -> Lengths:
+    """Host lengths in int64 (Python ints and tensors as they are); anything but integer lengths
+    is a ``TypeError`` naming ``lengths``."""
+    if isinstance(lengths, np.ndarray):
+        if lengths.dtype.kind not in "iu":
+            raise TypeError(f"lengths: must hold integers, got a numpy array of {lengths.dtype}")
+        return lengths.astype(np.int64, copy=False)
+    if isinstance(lengths, torch.Tensor):
+        return checks.int_tensor("lengths", lengths, allow_meta=True)
+    return host_int("lengths", lengths)
 
 
 def compress(lengths: Lengths, ratio: int) -> Lengths:
     """Tokens -> compressed rows: ``floor(len / ratio)``."""
-    if ratio < 1:
-        raise ValueError(f"ratio: must be >= 1, got {ratio}")
+    ratio = host_int("ratio", ratio, low=1)
+    lengths = _host64(lengths)
     if ratio == 1:
         return lengths
     return lengths // ratio
@@ -31,13 +48,18 @@ def compress(lengths: Lengths, ratio: int) -> Lengths:
 
 def compress_ceil(lengths: Lengths, ratio: int) -> Lengths:
     """Tokens -> compressed rows, rounded up: ``ceil(len / ratio)`` (a bound, not a row length)."""
-    if ratio < 1:
-        raise ValueError(f"ratio: must be >= 1, got {ratio}")
-    return -((-lengths) // ratio)
+    ratio = host_int("ratio", ratio, low=1)
+    lengths = _host64(lengths)
+    if ratio == 1:
+        return lengths
+    return lengths // ratio + (lengths % ratio != 0)
 
 
 def check_dcp(world_size: int, rank: int, interleave: int) -> None:
     """Refuse a DCP world, rank or interleave that cannot exist."""
+    world_size = host_int("world_size", world_size)
+    rank = host_int("rank", rank)
+    interleave = host_int("interleave", interleave)
     if world_size < 1 or not 0 <= rank < world_size or interleave < 1:
         raise ValueError(
             f"dcp: need world_size >= 1, 0 <= rank < world_size, interleave >= 1; "
@@ -52,10 +74,15 @@ def dcp_localize(lengths: Lengths, world_size: int, rank: int, interleave: int =
     ``(L // (I*W)) * I + clamp(L % (I*W) - rank*I, 0, I)``. Lengths are ``>= 0``.
     """
     check_dcp(world_size, rank, interleave)
+    world_size, rank, interleave = int(world_size), int(rank), int(interleave)
+    lengths = _host64(lengths)
     if world_size == 1:
         return lengths
-    if interleave == 1:  # tokens g < L with g % W == rank: ceil((L - rank) / W), 0 when L <= rank
-        return (lengths + (world_size - 1 - rank)) // world_size
+    if interleave == 1:  # tokens g < L with g % W == rank: L // W, plus one when L % W > rank
+        extra = lengths % world_size > rank
+        if isinstance(extra, torch.Tensor):
+            extra = extra.to(lengths.dtype)
+        return lengths // world_size + extra
     span = interleave * world_size
     base = (lengths // span) * interleave
     rem = lengths % span - rank * interleave
@@ -78,6 +105,8 @@ def token_request_index(query_start_loc: torch.Tensor, num_rows: int) -> torch.T
     Tokens at or past ``query_start_loc[-1]`` get the index ``len(query_start_loc) - 1``
     (one past the last request), which callers treat as padding.
     """
+    checks.int_tensor("query_start_loc", query_start_loc, allow_meta=True)
+    num_rows = host_int("num_rows", num_rows, low=0)
     tokens = torch.arange(num_rows, device=query_start_loc.device, dtype=query_start_loc.dtype)
     return torch.searchsorted(query_start_loc[1:].contiguous(), tokens, right=True)
 
@@ -89,6 +118,9 @@ def expand_per_token(seq_lens: torch.Tensor, query_start_loc: torch.Tensor, num_
     query lengths (``n + 1`` entries). Returns ``num_rows`` int32 lengths; rows past the last
     token, and negative lengths, are 0. Sync-free on device tensors.
     """
+    checks.int_tensor("seq_lens", seq_lens, allow_meta=True)
+    checks.int_tensor("query_start_loc", query_start_loc, allow_meta=True)
+    num_rows = host_int("num_rows", num_rows, low=0)
     num_reqs = query_start_loc.shape[0] - 1
     if num_reqs <= 0 or seq_lens.shape[0] == 0:
         return torch.zeros(num_rows, dtype=torch.int32, device=seq_lens.device)

@@ -10,7 +10,11 @@ Host-hint contract: ``max_seq_len`` and an authoritative shadow must bound the d
 (``seq_lens[i] <= max_seq_len``; an authoritative shadow equals them). A hint below a device
 length makes the bound drop tokens silently; ``check_bound=True`` (or
 ``VLLM_SPARSE_SYNC_DEVICE_CHECKS=1``) adds a device-side assertion, no host sync, that the
-bound covers every row.
+bound covers every row, that no device length is negative, and that the device
+``query_start_loc`` agrees with its host twin.
+
+Device data the host does not read has a defined meaning: a negative ``seq_lens`` entry gives
+rows of length 0 (on every route), and a row never reaches past its width in the kernels.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from . import checks
 from .bounds import BoundSource, DecodePlan, DecodeTopkBound, SeqLenShadow, decode_topk_bound, plan_decode
 from .kernels.reference import device_checks_enabled
 from .layout import IndexerLayout
@@ -60,12 +65,6 @@ class IndexerDecodeMetadata:
     num_rows: int
 
 
-def _flag(name: str, v: object) -> bool:
-    if not isinstance(v, bool):
-        raise TypeError(f"{name}: must be a bool, got {v!r}")
-    return v
-
-
 class IndexerMetadataBuilder:
     """Builds indexer decode metadata into persistent device buffers, without host syncs."""
 
@@ -82,18 +81,18 @@ class IndexerMetadataBuilder:
     ) -> None:
         if not isinstance(layout, IndexerLayout):
             raise TypeError(f"layout: must be an IndexerLayout, got {type(layout).__name__}")
-        for name, value in (("max_num_reqs", max_num_reqs), ("max_num_tokens", max_num_tokens),
-                            ("max_pages_per_req", max_pages_per_req)):
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name}: must be a positive int, got {value!r}")
         self.layout = layout
-        self.max_num_reqs = max_num_reqs
-        self.max_num_tokens = max_num_tokens
-        self.max_pages_per_req = max_pages_per_req
-        self.device = torch.device(device)
-        self.legacy_device_sync = _flag("legacy_device_sync", legacy_device_sync)
+        self.max_num_reqs = checks.host_int("max_num_reqs", max_num_reqs, low=1, high=checks.MAX_ROWS)
+        self.max_num_tokens = checks.host_int("max_num_tokens", max_num_tokens, low=1, high=checks.MAX_ROWS)
+        self.max_pages_per_req = checks.host_int("max_pages_per_req", max_pages_per_req, low=1)
+        if self.max_pages_per_req * layout.page_size > checks.MAX_KERNEL_ROWS:
+            raise ValueError(
+                f"max_pages_per_req: {self.max_pages_per_req} pages of {layout.page_size} rows exceed the "
+                f"kernels' limit of {checks.MAX_KERNEL_ROWS} positions a row")
+        self.device = checks.device("device", device, allow_meta=True)  # meta: proves no host reads
+        self.legacy_device_sync = checks.flag("legacy_device_sync", legacy_device_sync)
         self.check_bound = (device_checks_enabled() if check_bound is None
-                            else _flag("check_bound", check_bound))
+                            else checks.flag("check_bound", check_bound))
         kw = dict(dtype=torch.int32, device=self.device)
         self.row_lens_buffer = torch.zeros(max_num_tokens, **kw)
         self.block_table_buffer = torch.full((max_num_tokens, max_pages_per_req), -1, **kw)
@@ -193,10 +192,10 @@ class IndexerMetadataBuilder:
             seq = batch.seq_lens if batch.seq_lens.shape[0] == n else batch.seq_lens[:n]
             if plan.uniform_query_len == 1:  # plain decode: a token per request, its full length
                 bt = batch.block_table
-                per_token, src = seq, bt if bt.shape[0] == n else bt[:n]
+                per_token, src = seq.clamp_min(0), bt if bt.shape[0] == n else bt[:n]
             elif self.device.type == "cpu":
                 req, after = self._token_map(plan.query_lens)
-                per_token = (seq.index_select(0, req) - after).clamp_min(0)
+                per_token = seq.index_select(0, req).clamp_min_(0).sub_(after).clamp_min_(0)
                 src = batch.block_table.index_select(0, req)
             else:  # a device without Triton: the token map on the device from query_start_loc
                 from .lengths import expand_per_token, token_request_index
@@ -240,6 +239,28 @@ class IndexerMetadataBuilder:
                                 f"indexer bound {bound} is below a device row length: a host hint "
                                 "(max_seq_len or an authoritative shadow) does not bound seq_lens")
 
+    def _assert_inputs(self, batch: DecodeBatch, plan: DecodePlan) -> None:
+        """Device-side assertions (no host sync) that no device ``seq_lens`` entry is negative and
+        that the device ``query_start_loc`` agrees with its host twin: entry by entry when every
+        request has the same query length, else through its ends and three weighted sums."""
+        n = plan.num_reqs
+        if n:
+            torch._assert_async(batch.seq_lens[:n].ge(0).all(),
+                                "seq_lens: a negative device length (its rows are read as length 0)")
+        qsl = batch.query_start_loc
+        why = "query_start_loc: the device tensor disagrees with its host twin query_start_loc_cpu"
+        idx = torch.arange(n + 1, device=qsl.device, dtype=torch.int64)
+        if plan.uniform_query_len is not None:
+            torch._assert_async(qsl.eq(idx * plan.uniform_query_len).all(), why)
+            return
+        host = batch.query_start_loc_cpu.numpy().astype(np.int64)
+        with np.errstate(over="ignore"):  # int64 wrap-around, as on the device
+            sums = [int(host.sum()), int((host * (np.arange(n + 1) + 1)).sum()), int((host * host).sum())]
+        d = qsl.long()
+        ok = (d[0].eq(0) & d[n].eq(plan.num_rows) & d.sum().eq(sums[0]) & (d * (idx + 1)).sum().eq(sums[1])
+              & (d * d).sum().eq(sums[2]))
+        torch._assert_async(ok, why)
+
     # -------------------------------------------------------------------- public
     def build(self, batch: DecodeBatch) -> IndexerDecodeMetadata:
         """Write one decode step's metadata into the persistent buffers and return views of them."""
@@ -254,14 +275,14 @@ class IndexerMetadataBuilder:
             bound = self._legacy_bound(plan.num_rows)
             self.active_width_buffer.fill_(bound.value)
         if self.check_bound:
+            self._assert_inputs(batch, plan)
             self._assert_bound(plan.num_rows, bound.value)
         return self._meta(plan.num_rows, bound)
 
     def build_for_capture(self, num_reqs: int, num_tokens: int) -> IndexerDecodeMetadata:
         """Metadata for CUDA-graph capture: static shapes and the CAPTURE_STABLE bound, no shadows."""
-        for name, v in (("num_reqs", num_reqs), ("num_tokens", num_tokens)):
-            if isinstance(v, bool) or not isinstance(v, int):
-                raise TypeError(f"{name}: must be an int, got {v!r}")
+        num_reqs = checks.host_int("num_reqs", num_reqs)
+        num_tokens = checks.host_int("num_tokens", num_tokens)
         if not 0 <= num_reqs <= self.max_num_reqs:
             raise ValueError(f"num_reqs: must lie in [0, max_num_reqs={self.max_num_reqs}], got {num_reqs}")
         if not num_reqs <= num_tokens <= self.max_num_tokens:

@@ -2,8 +2,8 @@
 and a generator of random batches for it. The audit and the test scenarios both draw from here.
 
 Batches are random but honest: device lengths are exact, the shadow follows the path
-(authoritative, optimistic under async speculative decode, DCP-local), ``max_seq_len`` bounds
-every request, and CPU stand-ins for device tensors are copies, never their host twins.
+(authoritative, optimistic under async speculative decode, DCP-local, or none at all),
+``max_seq_len`` bounds every request, and CPU stand-ins for device tensors are copies, never their host twins.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from .metadata import DecodeBatch
 
 @dataclass(frozen=True)
 class DecodePath:
-    """One decode path: a layout plus how the batch's host shadow looks."""
+    """One decode path: a layout plus how the batch's host shadow looks (``shadow=False``: the
+    batch has none, only ``max_seq_len``)."""
 
     name: str
     layout: IndexerLayout
@@ -31,6 +32,7 @@ class DecodePath:
     dcp_local_shadow: bool = False
     capture: bool = False
     expected_source: BoundSource = BoundSource.CPU_EXACT
+    shadow: bool = True
 
 
 def _layout(backend: IndexerBackend, *, ratio: int = 1, world: int = 1, rank: int = 0,
@@ -54,6 +56,8 @@ PATHS: tuple[DecodePath, ...] = (
                expected_source=S.METADATA_UPPER_BOUND),
     DecodePath("deepgemm-uncompressed", _layout(DG), (1, 1, 1, 1), expected_source=S.CPU_EXACT),
     DecodePath("deepgemm-uncompressed-async-spec", _layout(DG), (2, 2, 2), authoritative=False,
+               expected_source=S.METADATA_UPPER_BOUND),
+    DecodePath("deepgemm-uncompressed-no-shadow", _layout(DG), (1, 1, 1), shadow=False,
                expected_source=S.METADATA_UPPER_BOUND),
     DecodePath("mtp-ragged", _layout(B12X), (1, 4, 2, 3), expected_source=S.CPU_EXACT),
     DecodePath("capture", _layout(DG), (1, 1, 1, 1), capture=True,
@@ -101,7 +105,8 @@ def make_case(path: DecodePath, device: torch.device | str, gen: torch.Generator
     if path.dcp_local_shadow:
         local = torch.tensor([dcp_localize(s, lay.dcp_world_size, lay.dcp_rank, lay.cp_interleave)
                               for s in shadow_lens], dtype=torch.int32)
-    shadow = SeqLenShadow(torch.tensor(shadow_lens, dtype=torch.int32), path.authoritative, local)
+    shadow = (SeqLenShadow(torch.tensor(shadow_lens, dtype=torch.int32), path.authoritative, local)
+              if path.shadow else None)
     # copy=True: a CPU stand-in for a device tensor is never its host twin itself
     batch = DecodeBatch(
         query_start_loc=qsl_cpu.to(device, copy=True),

@@ -14,8 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-from . import kernels
+from . import checks, kernels
 from .bounds import capture_stable_bound
+from .kernels import reference as ref
 from .kernels.config import DEFAULT_CONFIG, KernelConfig
 from .kernels.route import Route
 from .layout import IndexerBackend, IndexerLayout
@@ -32,16 +33,18 @@ class StepHealth:
     """Rows whose top-k refused the scorer's pass-A counts (``topk.scorer_counts``): they summed to
     the row's live length but disagreed with its keys, a fault of the scorer's counts build. Each
     such row was counted again: its answer is exact, the fault is reported here."""
+    unmapped_slots: int = 0
+    """Selected positions that had no KV-cache slot (``run(slots=...)``: a page-table entry that
+    is negative or whose slot would pass ``2**31 - 1``, a page past the table; a DCP candidate
+    outside its rank's rows): each was written as ``-1``, never as another slot."""
 
     @property
     def ok(self) -> bool:
-        return self.stalled_rows == 0 and self.refused_counts == 0
+        return self.stalled_rows == 0 and self.refused_counts == 0 and self.unmapped_slots == 0
 
 
-def _positive(name: str, v: object) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-        raise ValueError(f"{name}: must be a positive int, got {v!r}")
-    return v
+def _positive(name: str, v: object, high: int | None = None) -> int:
+    return checks.host_int(name, v, low=1, high=high)
 
 
 class IndexerStep:
@@ -56,14 +59,21 @@ class IndexerStep:
         if not isinstance(config, KernelConfig):
             raise TypeError(f"config: must be a KernelConfig, got {type(config).__name__}")
         self.layout = layout
-        self.max_rows = _positive("max_rows", max_rows)
+        self.max_rows = _positive("max_rows", max_rows, checks.MAX_ROWS)
         self.max_pages_per_req = _positive("max_pages_per_req", max_pages_per_req)
-        self.device = torch.device(device)
+        if self.max_pages_per_req * layout.page_size > checks.MAX_KERNEL_ROWS:
+            raise ValueError(
+                f"max_pages_per_req: {self.max_pages_per_req} pages of {layout.page_size} rows exceed the "
+                f"kernels' limit of {checks.MAX_KERNEL_ROWS} positions a row")
+        self.device = checks.device("device", device)
         self.config = config
-        self.width_capacity = max(max_pages_per_req * layout.page_size, capture_stable_bound(layout))
+        self.width_capacity = max(self.max_pages_per_req * layout.page_size, capture_stable_bound(layout))
         """Widest logits a call may ask for: the block table's rows, or the capture bound."""
         self.workspace = kernels.make_workspace(self.max_rows, layout.topk, self.width_capacity,
                                                 self.device, config)
+        self.unmapped = (self.workspace.unmapped if self.workspace is not None
+                         else torch.zeros(1, dtype=torch.int32, device=self.device))
+        """Selected positions written as ``-1`` for want of a slot, since the last ``health()``."""
 
     @classmethod
     def for_builder(cls, builder: IndexerMetadataBuilder, config: KernelConfig | None = None
@@ -78,15 +88,18 @@ class IndexerStep:
     def contract(self, meta: IndexerDecodeMetadata) -> tuple[torch.Tensor | None, int]:
         """``(active_width, width)`` of a call on ``meta``: B12X clamps on the device within the
         block table's width; DeepGEMM-style takes the host bound as the width."""
+        if not isinstance(meta, IndexerDecodeMetadata):
+            raise TypeError(f"meta: must be IndexerDecodeMetadata (from the builder), got {type(meta).__name__}")
         if self.layout.backend is IndexerBackend.B12X:
             return meta.active_width, meta.block_table.shape[1] * self.layout.page_size
         return None, meta.bound.value
 
     def route(self, rows: int, width: int | None = None) -> Route | None:
         """The kernels a call of ``rows`` rows takes here (None: the torch reference, off CUDA)."""
+        rows = checks.host_int("rows", rows, low=0, high=self.max_rows)
+        width = self.width_capacity if width is None else checks.host_int("width", width, low=0)
         if self.workspace is None:
             return None
-        width = self.width_capacity if width is None else width
         return self.workspace.route(rows, width, self.layout.page_size)
 
     # -------------------------------------------------------------------------- run
@@ -103,11 +116,7 @@ class IndexerStep:
         if not isinstance(meta, IndexerDecodeMetadata):
             raise TypeError(f"meta: must be IndexerDecodeMetadata (from the builder), got "
                             f"{type(meta).__name__}")
-        if not isinstance(q_fp8, torch.Tensor) or q_fp8.dim() != 3 or q_fp8.shape[0] != meta.num_rows:
-            got = tuple(q_fp8.shape) if isinstance(q_fp8, torch.Tensor) else type(q_fp8).__name__
-            raise ValueError(f"q_fp8: must be [num_rows={meta.num_rows}, heads, head_dim], got {got}")
-        if meta.num_rows > self.max_rows:
-            raise ValueError(f"meta: {meta.num_rows} rows exceed the step's max_rows={self.max_rows}")
+        self.check_inputs(meta, q_fp8, weights, k_cache)
         active, width = self.contract(meta)
         if slots is not False and self.layout.dcp_world_size > 1:
             raise ValueError("slots: a DCP rank's positions are rank-local and meet the other ranks' in "
@@ -121,14 +130,41 @@ class IndexerStep:
         return kernels.indexer_topk(q_fp8, weights, k_cache, meta.block_table, meta.row_lens,
                                     self.layout.topk, active_width=active, width=width,
                                     workspace=self.workspace, out=out, page_table=table,
-                                    page_size=self.layout.page_size)
+                                    page_size=self.layout.page_size,
+                                    unmapped=None if table is None else self.unmapped)
+
+    def check_inputs(self, meta: IndexerDecodeMetadata, q_fp8: object, weights: object,
+                     k_cache: object) -> None:
+        """Host checks of a call's tensors against the layout and this step (metadata only): the
+        rows, heads and head dim of ``q_fp8``, the device of every tensor, and a K cache of the
+        layout's page size."""
+        lay = self.layout
+        rows = meta.num_rows
+        if not isinstance(q_fp8, torch.Tensor):
+            raise TypeError(f"q_fp8: must be a torch.Tensor, got {type(q_fp8).__name__}")
+        if q_fp8.dim() != 3 or tuple(q_fp8.shape) != (rows, lay.num_heads, lay.head_dim):
+            raise ValueError(f"q_fp8: must be [num_rows={rows}, num_heads={lay.num_heads}, "
+                             f"head_dim={lay.head_dim}], got {tuple(q_fp8.shape)}")
+        if rows > self.max_rows:
+            raise ValueError(f"meta: {rows} rows exceed the step's max_rows={self.max_rows}")
+        checks.same_device("q_fp8", q_fp8, self.device)
+        checks.same_device("meta.row_lens", meta.row_lens, self.device)
+        for name, t in (("weights", weights), ("k_cache", k_cache)):
+            checks.same_device(name, checks.tensor(name, t), self.device)
+        page = ref.page_size_of(k_cache, lay.head_dim)
+        if page != lay.page_size:
+            raise ValueError(f"k_cache: rows of {k_cache.shape[1]} bytes hold pages of {page} rows, "
+                             f"the layout's page_size is {lay.page_size}")
 
     def health(self) -> StepHealth:
-        """Stalled rows and refused counts since the last call (reads device memory: a host sync;
-        call it outside the decode loop, e.g. after a benchmark or in a test), then clears them."""
+        """Stalled rows, refused counts and unmapped slots since the last call (reads device
+        memory: a host sync; call it outside the decode loop, e.g. after a benchmark or in a
+        test), then clears them."""
+        unmapped = int(self.unmapped.item())
+        self.unmapped.zero_()
         if self.workspace is None:
-            return StepHealth(0)
+            return StepHealth(0, 0, unmapped)
         stalled, refused = self.workspace.stalled_rows(), self.workspace.counts_refused()
         self.workspace.clear_stalls()
         self.workspace.clear_counts_refused()
-        return StepHealth(stalled, refused)
+        return StepHealth(stalled, refused, unmapped)

@@ -628,8 +628,11 @@ DCP_MERGE_KERNEL(16)
 //   slots    the slots entries (`_slots`, the slots module: TOPK_SLOTS_MODULE) take a page table
 //            (int32 rows of `pages` pages of 2^page_bits slots) and write each selected position p
 //            as its KV-cache slot, table[row][p >> page_bits] << page_bits | (p's offset in its
-//            page), or -1 where its page is past the table: the top-k and the page-table
-//            transform in one launch (reference.page_table_slots). Padding stays -1.
+//            page), or -1 where its page is past the table, its entry is negative or the slot
+//            would pass 2^31 - 1: the top-k and the page-table transform in one launch
+//            (reference.page_table_slots). Padding stays -1; each selected position written as
+//            -1 adds one to the launch's `unmapped` counter (when given: the entries' last
+//            parameter).
 //   counts   the counts entries (`_counts`, the counts module: TOPK_COUNTS_MODULE; one CTA a row,
 //            positions) take `counts`, each row's COUNTS_BINS solo_bin counts as the CUDA scorer's
 //            counts build wrote them for these scores (kernels/cuda_scorer.cu, SCORER_COUNTS): a
@@ -879,11 +882,13 @@ struct BodyScratch {
     // size, the table's width in pages
     u32 page_row[2];
     int page_bits, pages;
+    u32 unmapped[2];  // a slots kernel's counter of selected positions without a slot (or null)
 };
 
-// the KV-cache slot of row position p >= 0 whose page's table entry is e (pages of 2^bits slots)
+// the KV-cache slot of row position p >= 0 whose page's table entry is e (pages of 2^bits slots);
+// -1 for an entry that is negative (no page) or whose slots would pass 2^31 - 1
 __device__ __forceinline__ int entry_slot(int e, int bits, int p) {
-    return (e << bits) | (p & ((1 << bits) - 1));
+    return (e < 0 || e > (0x7fffffff >> bits)) ? -1 : ((e << bits) | (p & ((1 << bits) - 1)));
 }
 
 // the KV-cache slot of row position p >= 0 through the row's page table t of `pages` pages of
@@ -898,12 +903,23 @@ __device__ __forceinline__ const int* page_row_of(const BodyScratch& sc) {
     return reinterpret_cast<const int*>(((unsigned long long)sc.page_row[1] << 32) | sc.page_row[0]);
 }
 
+// a slots kernel's counter of unmapped positions (BodyScratch keeps the pointer as two words)
+__device__ __forceinline__ u32* unmapped_of(const BodyScratch& sc) {
+    return reinterpret_cast<u32*>(((unsigned long long)sc.unmapped[1] << 32) | sc.unmapped[0]);
+}
+
+// slot v of a selected position: a -1 (the position has no slot) counts once into `unmapped`
+__device__ __forceinline__ int count_unmapped(u32* unmapped, int v) {
+    if (v < 0 && unmapped != nullptr) atomicAdd(unmapped, 1u);
+    return v;
+}
+
 // what the output holds for row position p >= 0: p itself, or (SLOTS: a kernel given a page
-// table) its slot; a positions kernel's code has no trace of the table
+// table) its slot, a -1 counted; a positions kernel's code has no trace of the table
 template <bool SLOTS>
 __device__ __forceinline__ int out_index(const BodyScratch& sc, int p) {
     if (!SLOTS) return p;
-    return page_slot(page_row_of(sc), sc.page_bits, sc.pages, p);
+    return count_unmapped(unmapped_of(sc), page_slot(page_row_of(sc), sc.page_bits, sc.pages, p));
 }
 
 // one row (`logits` at its first score) of n > k live keys, on this CTA (`rank` of C) of a
@@ -1505,7 +1521,8 @@ __device__ __forceinline__ void topk_reg_body(const float* __restrict__ x, int n
                 const int p = lo + REG_POS(4 * j + c);
                 // (pre: page_slot's value from the entry loaded before the scan)
                 *dst = !pre ? out_index<SLOTS>(sc, p)
-                            : ((p >> sc.page_bits) < sc.pages ? entry_slot(pg[j], sc.page_bits, p) : -1);
+                            : count_unmapped(unmapped_of(sc), (p >> sc.page_bits) < sc.pages
+                                                                  ? entry_slot(pg[j], sc.page_bits, p) : -1);
                 ++dst;
             }
         }
@@ -1574,7 +1591,8 @@ __device__ __forceinline__ void topk_cluster_row(const float* __restrict__ logit
                                                  int* __restrict__ out, i64 stride_o, int nan_low,
                                                  int cap, int lens_early, const int* page_table,
                                                  i64 page_stride, int page_bits, int pages,
-                                                 u32* counts = nullptr, i64 counts_stride = 0) {
+                                                 u32* counts = nullptr, i64 counts_stride = 0,
+                                                 u32* unmapped = nullptr) {
     static_assert(!COUNTS || (C == 1 && !SLOTS), "counts: the one-CTA positions entries");
     extern __shared__ __align__(16) u32 smem[];
     const int row = blockIdx.y;
@@ -1622,10 +1640,12 @@ __device__ __forceinline__ void topk_cluster_row(const float* __restrict__ logit
         sc.page_row[1] = (u32)(reinterpret_cast<unsigned long long>(page_row) >> 32);
         sc.page_bits = page_bits;
         sc.pages = pages;
+        sc.unmapped[0] = (u32)reinterpret_cast<unsigned long long>(unmapped);
+        sc.unmapped[1] = (u32)(reinterpret_cast<unsigned long long>(unmapped) >> 32);
     }
     if (n <= k) {  // cluster-uniform: no CTA reaches a cluster barrier
         for (int i = (int)rank * THREADS + tid; i < k; i += C * THREADS) {
-            o[i] = i >= n ? -1 : (SLOTS ? page_slot(page_row, page_bits, pages, i) : i);
+            o[i] = i >= n ? -1 : (SLOTS ? count_unmapped(unmapped, page_slot(page_row, page_bits, pages, i)) : i);
         }
         return;
     }
@@ -1689,11 +1709,27 @@ __device__ __forceinline__ void topk_cluster_row(const float* __restrict__ logit
                                                 lens_early, page_table, page_stride, page_bits,    \
                                                 pages);                                            \
     }
+// a slots entry: the positions entry's parameters, then the counter of selected positions written
+// as -1 (null: not counted)
+#define TOPK_SLOTS_ENTRY(C, T, A)                                                                  \
+    extern "C" __global__ void CLUSTER_ATTR_##C __launch_bounds__(T, 1024 / (T))                  \
+        topk_cluster_c##C##_t##T##_a##A##_slots(const float* __restrict__ logits, i64 stride_r,   \
+                                        const void* lens, int lens64, const void* active,          \
+                                        int active64, int sel_width, int k,                        \
+                                        int* __restrict__ out, i64 stride_o, int nan_low,          \
+                                        int cap, int lens_early, const int* page_table,            \
+                                        i64 page_stride, int page_bits, int pages,                 \
+                                        u32* unmapped) {                                           \
+        topk_cluster_row<C, T, (A) != 0, true>(logits, stride_r, lens, lens64, active, active64,   \
+                                               sel_width, k, out, stride_o, nan_low, cap,          \
+                                               lens_early, page_table, page_stride, page_bits,     \
+                                               pages, nullptr, 0, unmapped);                       \
+    }
 // the library's module holds the positions entries; the slots module (compiled with
 // TOPK_SLOTS_MODULE=1, on a page table's first use) the slots entries, so that a launch without
 // page tables never pays their compile
 #if TOPK_SLOTS_MODULE
-#define TOPK_CLUSTER_KERNEL(C, T, A) TOPK_CLUSTER_ENTRY(C, T, A, _slots, true)
+#define TOPK_CLUSTER_KERNEL(C, T, A) TOPK_SLOTS_ENTRY(C, T, A)
 #else
 #define TOPK_CLUSTER_KERNEL(C, T, A) TOPK_CLUSTER_ENTRY(C, T, A, , false)
 #endif

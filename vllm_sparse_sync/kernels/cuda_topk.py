@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from .reference import MAX_PAGE_BITS, check_page_table
+from .reference import MAX_PAGE_BITS, check_page_table, check_unmapped
 
 SOURCE_PATH = Path(__file__).with_name("cuda_topk.cu")
 HEADERS = ("cuda_keys.cuh",)
@@ -564,6 +564,7 @@ def launch_cuda_topk_cluster(
     page_table: torch.Tensor | None = None,
     page_bits: int = 0,
     counts: torch.Tensor | None = None,
+    unmapped: torch.Tensor | None = None,
 ) -> ClusterPlan:
     """A cluster of CTAs per row (``plan_cluster``'s, or ``cluster``): the output of
     ``launch_cuda_topk``, element for element. ``cap`` overrides the keys kept in shared memory
@@ -576,7 +577,8 @@ def launch_cuda_topk_cluster(
     has completed (a step's scorer: plain, or a dependent launch that waits before it lets its
     dependents launch). ``page_table`` (int32 ``[>= rows, pages]``, contiguous rows; pages of
     ``2 ** page_bits`` slots): the output holds each position's KV-cache slot
-    (``reference.page_table_slots``), written by the same launch. ``counts`` (``check_counts``; one
+    (``reference.page_table_slots``), written by the same launch; each selected position written as
+    ``-1`` (no slot) adds one to ``unmapped`` (int32 ``[1]``, optional). ``counts`` (``check_counts``; one
     CTA a row, positions): each row's pass-A counts as the stream's previous kernel, the CUDA
     scorer's counts build, wrote them for these scores; a row takes them where they sum to its
     live length and its keys agree with them (else it counts itself: the same output either way;
@@ -597,6 +599,9 @@ def launch_cuda_topk_cluster(
         if not 0 <= page_bits <= MAX_PAGE_BITS:
             raise ValueError(f"page_bits: must be in [0, {MAX_PAGE_BITS}], got {page_bits}")
         check_page_table(page_table, 1 << page_bits, rows, x.device)
+        check_unmapped(unmapped, x.device)
+    elif unmapped is not None:
+        raise ValueError("unmapped: counts positions without a slot; pass it with a page_table")
     if counts is not None:
         if page_table is not None:
             raise ValueError("counts: the counts entries write positions; pass no page_table with them")
@@ -630,7 +635,7 @@ def launch_cuda_topk_cluster(
     smem = launch_smem(plan, rows, mod.sm_count, mod.smem_per_sm, mod.smem_optin, pdl)
     fn = mod.function(cluster_kernel_name(plan.cluster, aligned, plan.threads, page_table is not None,
                                           counts is not None), smem)
-    tail = cluster_tail(plan.cap, lens_early, page_table, page_bits)
+    tail = cluster_tail(plan.cap, lens_early, page_table, page_bits, unmapped)
     if counts is not None:
         tail += (ctypes.c_void_p(counts.data_ptr()), ctypes.c_longlong(counts.stride(0)))
     _launch(mod, fn, (plan.cluster, rows, 1), plan.threads, smem, x, stride_r, row_lens, active,
@@ -655,16 +660,18 @@ def check_counts(counts: torch.Tensor, rows: int, device: torch.device) -> None:
 
 
 def cluster_tail(cap: int, lens_early: bool = False, page_table: torch.Tensor | None = None,
-                 page_bits: int = 0) -> tuple:
+                 page_bits: int = 0, unmapped: torch.Tensor | None = None) -> tuple:
     """The cluster kernels' parameters after ``nan_low``: the keys kept in shared memory,
     whether the live lengths are read before the dependency wait, and the page table that turns
-    positions into slots (none: a null pointer) with its row stride, page bits and width
-    (``launch_cuda_topk_cluster``)."""
+    positions into slots (none: a null pointer) with its row stride, page bits and width; with a
+    table (a slots entry) then the counter of positions without a slot (``unmapped``; null: not
+    counted) (``launch_cuda_topk_cluster``)."""
     if page_table is None:
         table = (ctypes.c_void_p(0), ctypes.c_longlong(0), ctypes.c_int(0), ctypes.c_int(0))
     else:  # (a table of no pages is never read: its pointer may be null)
         table = (ctypes.c_void_p(page_table.data_ptr()), ctypes.c_longlong(page_table.stride(0)),
-                 ctypes.c_int(page_bits), ctypes.c_int(page_table.shape[1]))
+                 ctypes.c_int(page_bits), ctypes.c_int(page_table.shape[1]),
+                 ctypes.c_void_p(0 if unmapped is None else unmapped.data_ptr()))
     return (ctypes.c_int(cap), ctypes.c_int(1 if lens_early else 0), *table)
 
 

@@ -148,6 +148,8 @@ def plan_route(rows: int, width: int, page: int, device: DeviceInfo,
         raise ValueError(f"rows: must be an int >= 0, got {rows!r}")
     if isinstance(width, bool) or not isinstance(width, int) or width < 0:
         raise ValueError(f"width: must be an int >= 0, got {width!r}")
+    if isinstance(page, bool) or not isinstance(page, int) or page < 1 or page & (page - 1):
+        raise ValueError(f"page: must be a power of two, got {page!r}")
     sms = device.num_sms
     fc = config.fused
     # on sm_90+ the scorer then the cluster top-k beats the fused step on every fused shape

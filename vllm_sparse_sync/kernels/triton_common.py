@@ -14,13 +14,14 @@ import triton.language as tl
 
 @triton.jit
 def live_length(lens_ptr, active_ptr, row, sel_width, HAS_ACTIVE: tl.constexpr):
-    """Device length of ``row``: ``min(row_len, sel_width, active[0])``, at least 0."""
-    n = tl.load(lens_ptr + row).to(tl.int32)
+    """Device length of ``row``: ``min(row_len, sel_width, active[0])``, at least 0, as int32
+    (clamped in the lengths' own dtype first, so an int64 length past ``2**31`` is not wrapped)."""
+    n = tl.load(lens_ptr + row)
     n = tl.minimum(tl.maximum(n, 0), sel_width)
     if HAS_ACTIVE:
-        a = tl.load(active_ptr).to(tl.int32)
+        a = tl.load(active_ptr)
         n = tl.minimum(n, tl.maximum(a, 0))
-    return n
+    return n.to(tl.int32)
 
 
 @triton.jit

@@ -2,8 +2,8 @@
 one launch, and the active width, from device lengths (no host read).
 
 Program ``t`` (one per decode token): its request ``r`` (from the uniform query length, else a
-binary search over ``query_start_loc``), its causal length ``L - q + 1 + j``, compressed then
-DCP-localized; then request ``r``'s page row, ``-1`` past the batch's pages. Programs past the
+binary search over ``query_start_loc``), its causal length ``max(L, 0) - q + 1 + j`` (at least 0),
+compressed then DCP-localized; then request ``r``'s page row, ``-1`` past the batch's pages. Programs past the
 decode tokens zero stale row lengths left by a larger earlier batch. Program 0 also writes the
 host bound into the active-width buffer, so the whole build is one launch.
 """
@@ -40,7 +40,7 @@ def decode_rows_kernel(
             r = lo
         first = tl.load(qsl_ptr + r)
         q = tl.load(qsl_ptr + r + 1) - first
-        n = tl.load(seq_ptr + r) - q + 1 + (t - first)
+        n = tl.maximum(tl.load(seq_ptr + r), 0) - q + 1 + (t - first)  # a negative length reads as 0
         n = tl.maximum(n, 0) // RATIO
         if WORLD > 1:
             span = INTERLEAVE * WORLD

@@ -30,15 +30,9 @@ def write_index_k_cache(
     Slots ``< 0`` or past the cache are skipped, as in the reference (no host check: the call
     stays capturable; ``VLLM_SPARSE_SYNC_DEVICE_CHECKS=1`` asserts on the device instead).
     """
-    _check(k_fp8.dim() == 2, "k_fp8", f"must be 2-D [tokens, head_dim], got {tuple(k_fp8.shape)}")
+    page = ref.check_cache_write(k_cache, k_fp8, k_scale, slot_mapping)
     head_dim = k_fp8.shape[1]
-    page = ref.page_size_of(k_cache, head_dim)
     _check(k_cache.stride(1) == 1, "k_cache", "last dimension must be contiguous")
-    _check(k_fp8.dtype == ref.FP8_DTYPE, "k_fp8", f"must be {ref.FP8_DTYPE}, got {k_fp8.dtype}")
-    _check(k_scale.dtype == torch.float32 and k_scale.shape == (k_fp8.shape[0],), "k_scale",
-           f"must be float32 [{k_fp8.shape[0]}], got {k_scale.dtype} {tuple(k_scale.shape)}")
-    _check(slot_mapping.shape == (k_fp8.shape[0],), "slot_mapping",
-           f"must have one slot per token ({k_fp8.shape[0]}), got {tuple(slot_mapping.shape)}")
     tokens = k_fp8.shape[0]
     if tokens == 0:
         return
@@ -153,23 +147,24 @@ def _index_out(out: torch.Tensor | None, rows: int, k: int, device: torch.device
     return out
 
 
-def _slots(out: torch.Tensor, pages: tuple | None) -> None:
+def _slots(out: torch.Tensor, pages: tuple | None, unmapped: torch.Tensor | None = None) -> None:
     """``out``'s positions rewritten as KV-cache slots where ``pages`` (table, log2 page size) is
-    given, by its own launch."""
+    given, by its own launch; positions without a slot add to ``unmapped``."""
     if pages is not None:
         from .triton_slots import launch_page_slots
 
-        launch_page_slots(out, *pages)
+        launch_page_slots(out, *pages, unmapped)
 
 
 def _launch_topk(route: Route, logits, row_lens, active_width, ws, out, k, width, *,
                  nan_low: bool, after_scorer: bool = False, pages: tuple | None = None,
-                 counts: torch.Tensor | None = None) -> None:
+                 counts: torch.Tensor | None = None, unmapped: torch.Tensor | None = None) -> None:
     """The route's top-k launches; ``nan_low=False`` for scores from the scorer (NaN negative).
     ``after_scorer``: the stream's previous kernel is this step's scorer (which does not write
     ``row_lens`` or ``active_width``). ``pages``: (page table, log2 page size), the output as
-    KV-cache slots: written by the cluster top-k itself, by a transform launch after the others.
-    ``counts``: the pass-A counts that scorer wrote (``scorer_counts_for``)."""
+    KV-cache slots: written by the cluster top-k itself, by a transform launch after the others;
+    positions without a slot add to ``unmapped``. ``counts``: the pass-A counts that scorer wrote
+    (``scorer_counts_for``)."""
     if route.kind == CUDA_RADIX and route.topk_cluster:
         from .cuda_topk import launch_cuda_topk_cluster
 
@@ -177,10 +172,11 @@ def _launch_topk(route: Route, logits, row_lens, active_width, ws, out, k, width
                                  nan_low=nan_low, cluster=route.topk_cluster, cap=route.topk_cap,
                                  lens_early=after_scorer and ws.config.topk.cuda_lens_early,
                                  page_table=None if pages is None else pages[0],
-                                 page_bits=0 if pages is None else pages[1], counts=counts)
+                                 page_bits=0 if pages is None else pages[1], counts=counts,
+                                 unmapped=None if pages is None else unmapped)
         return
     _launch_positions(route, logits, row_lens, active_width, ws, out, k, width, nan_low=nan_low)
-    _slots(out, pages)
+    _slots(out, pages, unmapped)
 
 
 def _launch_positions(route: Route, logits, row_lens, active_width, ws, out, k, width, *,
@@ -208,25 +204,27 @@ def topk_indices(
     out: torch.Tensor | None = None,
     page_table: torch.Tensor | None = None,
     page_size: int | None = None,
+    unmapped: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Top-``k`` positions per row ``int32 [rows, k]`` among the row's live positions, ``-1`` padded
-    (with ``page_table``: their KV-cache slots, ``reference.page_table_slots``)."""
-    _check(logits.dim() == 2, "logits", f"must be 2-D [rows, width], got {tuple(logits.shape)}")
-    _check(logits.dtype == torch.float32 and logits.stride(1) == 1, "logits",
-           "must be float32 with contiguous rows")
-    _check(row_lens.shape == (logits.shape[0],), "row_lens",
-           f"must be [rows={logits.shape[0]}], got {tuple(row_lens.shape)}")
+    (with ``page_table``: their KV-cache slots, ``reference.page_table_slots``; positions without a
+    slot add to ``unmapped``, else to the workspace's counter)."""
+    ref.check_topk_inputs(logits, row_lens, k, active_width)
+    _check(logits.stride(1) == 1, "logits", "must be float32 with contiguous rows")
     k = ref.check_k(k)
-    if active_width is not None:
-        _check(active_width.numel() == 1, "active_width", "must hold one element")
     rows, width = logits.shape
     pages = _pages(page_table, page_size, rows, logits.device)
+    counter = ref.check_unmapped(unmapped, logits.device)
     out = _index_out(out, rows, k, logits.device)
     if rows == 0:
         return out
     ws = _workspace(workspace, rows, k, 0, logits.device)
     route = ws.route(rows, width, 1, score=False)
-    _launch_topk(route, logits, row_lens, active_width, ws, out, k, width, nan_low=True, pages=pages)
+    counter = ws.unmapped if counter is None else counter
+    _launch_topk(route, logits, row_lens, active_width, ws, out, k, width, nan_low=True, pages=pages,
+                 unmapped=counter)
+    if pages is not None:
+        ref.assert_mapped(counter)
     return out
 
 
@@ -271,9 +269,11 @@ def indexer_topk(
     out: torch.Tensor | None = None,
     page_table: torch.Tensor | None = None,
     page_size: int | None = None,
+    unmapped: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The whole decode indexer step, score then select (``int32 [rows, k]``; with ``page_table``
-    KV-cache slots, ``page_size`` defaulting to the K cache's).
+    KV-cache slots, ``page_size`` defaulting to the K cache's, positions without a slot counted
+    into ``unmapped``, else into the workspace's counter).
 
     The route comes from ``route.plan_route`` (the call's rows and width): up to
     ``config.fused.max_rows`` rows it is one fused launch whose scores stay in registers
@@ -286,14 +286,18 @@ def indexer_topk(
     k = ref.check_k(k)
     width = block_table.shape[1] * page if width is None else ref.check_width(width)
     pages = _pages(page_table, page if page_size is None else page_size, rows, q_fp8.device)
+    counter = ref.check_unmapped(unmapped, q_fp8.device)
     out = _index_out(out, rows, k, q_fp8.device)
     if rows == 0:
         return out
     ws = _workspace(workspace, rows, k, width, q_fp8.device)
+    counter = ws.unmapped if counter is None else counter
     route = _run_fused(q_fp8, weights, k_cache, block_table, row_lens, active_width, out, ws, k, page,
                        width, ws.route(rows, width, page))
     if route.fused:
-        _slots(out, pages)
+        _slots(out, pages, counter)
+        if pages is not None:
+            ref.assert_mapped(counter)
         return out
     logits = ws.logits
     counts = scorer_counts_for(route, ws, pages)
@@ -303,7 +307,9 @@ def indexer_topk(
         kind=route.scorer, counts=counts,
     )
     _launch_topk(route, logits, row_lens, active_width, ws, out, k, width, nan_low=False, after_scorer=True,
-                 pages=pages, counts=counts if ran == CUDA else None)
+                 pages=pages, counts=counts if ran == CUDA else None, unmapped=counter)
+    if pages is not None:
+        ref.assert_mapped(counter)
     return out
 
 

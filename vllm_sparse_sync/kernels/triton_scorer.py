@@ -77,13 +77,13 @@ def load_query(q_ptr, w_ptr, row, H: tl.constexpr, D: tl.constexpr, PRECISE: tl.
     """Row ``row``'s query as the dot's right operand ``[D, H]`` and its head weights ``[H]``."""
     heads = tl.arange(0, H)
     dims = tl.arange(0, D)
-    q = tl.load(q_ptr + row * (H * D) + heads[:, None] * D + dims[None, :])
+    q = tl.load(q_ptr + row.to(tl.int64) * (H * D) + heads[:, None] * D + dims[None, :])
     q = q.to(tl.float8e4nv, bitcast=True)
     if PRECISE:  # e4m3 is exact in fp16: exact products, fp32 accumulation
         q_t = tl.trans(q.to(tl.float16))
     else:  # fp8 tensor-core accumulation (Hopper keeps ~14 mantissa bits)
         q_t = tl.trans(q)
-    w = tl.load(w_ptr + row * H + heads)
+    w = tl.load(w_ptr + row.to(tl.int64) * H + heads)
     return q_t, w
 
 

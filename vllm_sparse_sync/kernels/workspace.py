@@ -102,6 +102,8 @@ class IndexerTopkWorkspace:
         self.fused_sync = torch.zeros(fr * 8, **i32)
         self.fused_cnt = torch.zeros(slots * 2 if fr else 0, **i32)
         self.fused_stall = torch.zeros(max(fr, 1), **i32)
+        # selected positions written as -1 for want of a KV-cache slot (kernels' slots routes)
+        self.unmapped = torch.zeros(1, **i32)
         self._fused_stash: torch.Tensor | None = None
         self._routes: dict[tuple, Route] = {}
         self._cuda_topk: tuple[bool, str] | None = None
@@ -181,6 +183,14 @@ class IndexerTopkWorkspace:
         counts that summed to the row's live length but disagreed with its keys, a fault of the
         scorer's counts build (the row was counted again: its answer is exact). A host read."""
         return int(self.counts[:, COUNTS_REFUSED].sum().item()) if self.counts.numel() else 0
+
+    def unmapped_slots(self) -> int:
+        """Selected positions written as ``-1`` for want of a KV-cache slot since the last
+        ``clear_unmapped()`` (a host read)."""
+        return int(self.unmapped.item())
+
+    def clear_unmapped(self) -> None:
+        self.unmapped.zero_()
 
     def clear_counts_refused(self) -> None:
         if self.counts.numel():
