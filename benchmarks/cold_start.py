@@ -131,13 +131,15 @@ def main() -> None:
     t0 = time.perf_counter()
     from indexer import Inputs  # the benchmark's inputs (its imports load Triton and the package)
 
-    from vllm_sparse_sync.kernels import DEFAULT_CONFIG, cuda_scorer, cuda_topk
+    from vllm_sparse_sync.kernels import DEFAULT_CONFIG
+    from vllm_sparse_sync.kernels.cuda import scorer as cuda_scorer
+    from vllm_sparse_sync.kernels.cuda import topk as cuda_topk
     from vllm_sparse_sync.kernels import triton_ops as tk
     from vllm_sparse_sync.kernels.workspace import IndexerTopkWorkspace
 
     rows.append(dict(part="imports", first_s=time.perf_counter() - t0, second_s=0.0))
     print(f"imports: {rows[-1]['first_s']:.2f} s", flush=True)
-    from vllm_sparse_sync.kernels import nvrtc_cache
+    from vllm_sparse_sync.kernels.cuda import nvrtc_cache
 
     print(f"NVRTC cubin cache: {nvrtc_cache.cache_dir() or 'off'}", flush=True)
     dev = torch.cuda.current_device()

@@ -529,7 +529,7 @@ class SglangTopk:
     def __init__(self, folder: str) -> None:
         import ctypes
 
-        from vllm_sparse_sync.kernels import cuda_topk
+        from vllm_sparse_sync.kernels.cuda import topk as cuda_topk
 
         self.ctypes = ctypes
         self.mod = cuda_topk.module_for(torch.cuda.current_device())  # the primary context
@@ -551,7 +551,7 @@ class SglangTopk:
 
     def __call__(self, logits: torch.Tensor, lengths: torch.Tensor, out: torch.Tensor) -> None:
         """``out[r]`` = the top-2048 positions of ``logits[r, :lengths[r]]`` (int32 lengths)."""
-        from vllm_sparse_sync.kernels import cuda_topk
+        from vllm_sparse_sync.kernels.cuda import topk as cuda_topk
 
         p = self.Params(logits.data_ptr(), None, out.data_ptr(), lengths.data_ptr(), logits.stride(0))
         args = (self.ctypes.c_void_p * 1)(self.ctypes.addressof(p))

@@ -48,7 +48,7 @@ def main() -> None:
     for name in COPIED:
         src = ROOT / name
         (shutil.copytree if src.is_dir() else shutil.copy2)(src, dest / name)
-    cu = dest / "vllm_sparse_sync" / "kernels" / "cuda_scorer.cu"
+    cu = dest / "vllm_sparse_sync" / "kernels" / "cuda" / "scorer.cu"
     cu.write_text(planted(cu.read_text(), slots))
     print(f"planted a ring of {slots} slots shared by every consumer in {dest}")
 

@@ -17,14 +17,14 @@ if not CUDA:
     os.environ["TRITON_INTERPRET"] = "1"
 
 KERNEL_MODULES = [
-    "vllm_sparse_sync.kernels.triton_common",
-    "vllm_sparse_sync.kernels.triton_cache",
-    "vllm_sparse_sync.kernels.triton_scorer",
-    "vllm_sparse_sync.kernels.triton_topk",
-    "vllm_sparse_sync.kernels.triton_topk_sample",
-    "vllm_sparse_sync.kernels.triton_fused",
-    "vllm_sparse_sync.kernels.triton_dcp_merge",
-    "vllm_sparse_sync.kernels.triton_slots",
+    "vllm_sparse_sync.kernels.triton.common",
+    "vllm_sparse_sync.kernels.triton.k_cache",
+    "vllm_sparse_sync.kernels.triton.scorer",
+    "vllm_sparse_sync.kernels.triton.topk_radix",
+    "vllm_sparse_sync.kernels.triton.topk_sample",
+    "vllm_sparse_sync.kernels.triton.fused",
+    "vllm_sparse_sync.kernels.triton.dcp_merge",
+    "vllm_sparse_sync.kernels.triton.slots",
     "vllm_sparse_sync.kernels.triton_ops",
 ]
 if not CUDA:

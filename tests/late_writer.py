@@ -24,7 +24,7 @@ def late_copier(device):
     """``copy(dst, src, wait_ns)``: launches ``_LATE_COPY`` (one CTA) on the current stream; it
     copies ``src`` into ``dst`` (same shape, contiguous, 4-byte elements) ``wait_ns`` after its
     start."""
-    from vllm_sparse_sync.kernels import cuda_topk
+    from vllm_sparse_sync.kernels.cuda import topk as cuda_topk
 
     mod = cuda_topk.module_for(device)
     cubin, _ = cuda_topk.compile_source(mod.arch, text=_LATE_COPY, name="late_copy.cu")

@@ -81,7 +81,8 @@ def test_derive_compares_the_step_with_the_fastest_checked_peer_stack(indexer):
 
 
 def test_the_wgmma_rate_source_compiles_one_kernel_a_form():
-    from vllm_sparse_sync.kernels import cuda_scorer, cuda_topk
+    from vllm_sparse_sync.kernels.cuda import scorer as cuda_scorer
+    from vllm_sparse_sync.kernels.cuda import topk as cuda_topk
 
     rate = load_benchmark("wgmma_rate")
     assert rate.per_tile(2048000.0, 2000, 4) == (256.0, 1024.0)  # 4 warpgroups: an SM's tile a quarter

@@ -1,4 +1,4 @@
-"""The CUDA DCP merge (``dcp_merge_p*`` in ``cuda_topk.cu``) on the CPU: its emulation
+"""The CUDA DCP merge (``dcp_merge_p*`` in ``topk.cu``) on the CPU: its emulation
 (``cuda_topk_emu.dcp_merge_row``: the same passes, early exit and gathered-order writes) against
 the torch merge + remap it replaces, on the random and adversarial gathered keys of the Triton
 merge's tests (ties, NaN / -0.0 / inf, padding, duplicate and arbitrary int64 keys, world 2/4/8);
@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from test_dcp_merge_kernel import _assert_same, _gathered, _torch_merge, merge_cases
 
 from vllm_sparse_sync import dcp
-from vllm_sparse_sync.kernels import cuda_dcp_merge as cm
-from vllm_sparse_sync.kernels import cuda_topk_emu as emu
+from vllm_sparse_sync.kernels.cuda import dcp_merge as cm
+from vllm_sparse_sync.kernels.cuda import topk_emu as emu
 
 SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

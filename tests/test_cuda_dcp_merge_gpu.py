@@ -14,7 +14,7 @@ from test_dcp_merge_kernel import _assert_same, _gathered, _torch_merge, merge_c
 def _status() -> tuple[bool, str]:
     if not torch.cuda.is_available():
         return False, "needs a CUDA device"
-    from vllm_sparse_sync.kernels.cuda_dcp_merge import status
+    from vllm_sparse_sync.kernels.cuda.dcp_merge import status
 
     return status("cuda")
 
@@ -24,7 +24,7 @@ DEV = "cuda"
 
 
 def _cuda_merge(keys, k, world, rank, interleave, row_pad=0):
-    from vllm_sparse_sync.kernels.cuda_dcp_merge import cuda_dcp_merge
+    from vllm_sparse_sync.kernels.cuda.dcp_merge import cuda_dcp_merge
 
     rows = keys.shape[1]
     gi = torch.full((rows + 2, k + row_pad), 5, dtype=torch.int32, device=DEV)[:rows, :k]
@@ -60,7 +60,7 @@ def test_full_size_rows(world, style):
 
 
 def test_capture_replay_and_no_host_sync():
-    from vllm_sparse_sync.kernels.cuda_dcp_merge import cuda_dcp_merge
+    from vllm_sparse_sync.kernels.cuda.dcp_merge import cuda_dcp_merge
     from vllm_sparse_sync.testing import check_step
 
     world, rows, k = 2, 8, 2048

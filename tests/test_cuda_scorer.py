@@ -1,5 +1,5 @@
 """The CUDA wgmma scorer on a CPU host: its operand layouts emulated in torch (the query's image in
-shared memory, each thread's key bytes, the wgmma fragments, as ``cuda_scorer.cu`` indexes them)
+shared memory, each thread's key bytes, the wgmma fragments, as ``scorer.cu`` indexes them)
 give q . k for every (token, head); the planner's scorer choice; the calls ``takes`` accepts; and
 an NVRTC compile for sm_90a that fits its CTA per SM without spills (skipped, with the reason,
 where NVRTC is absent)."""
@@ -11,7 +11,8 @@ import re
 import pytest
 import torch
 
-from vllm_sparse_sync.kernels import cuda_scorer, cuda_topk
+from vllm_sparse_sync.kernels.cuda import scorer as cuda_scorer
+from vllm_sparse_sync.kernels.cuda import topk as cuda_topk
 from vllm_sparse_sync.kernels.config import DEFAULT_CONFIG, ScorerConfig
 from vllm_sparse_sync.kernels.route import CUDA, TRITON, DeviceInfo, plan_route, scorer_for
 
@@ -226,7 +227,7 @@ def test_the_source_compiles_for_sm90a_without_spills(consumers, counts):
     spills, in the registers their CTA per SM leaves each thread."""
     defines = cuda_scorer.build_defines(consumers, counts)
     text = "".join(f"#define {k} {v}\n" for k, v in defines) + cuda_scorer.source()
-    _, log = cuda_topk.compile_source(cuda_scorer.ARCH, text=text, name="cuda_scorer.cu",
+    _, log = cuda_topk.compile_source(cuda_scorer.ARCH, text=text, name="scorer.cu",
                                       extra_options=("--ptxas-options=-v",))
     found = re.findall(r"entry function '(\w+)'.*?(\d+) bytes spill stores.*?Used (\d+) registers", log, re.S)
     names = {f[0] for f in found}
@@ -440,7 +441,7 @@ def test_only_the_counts_build_counts_and_it_takes_two_more_parameters():
     and the counts' pointer and row stride to every entry; the plain build has neither."""
     def ptx(defines):
         text = "".join(f"#define {k} {v}\n" for k, v in defines) + cuda_scorer.source()
-        code, _ = cuda_topk.compile_source(cuda_scorer.ARCH, output="ptx", text=text, name="cuda_scorer.cu")
+        code, _ = cuda_topk.compile_source(cuda_scorer.ARCH, output="ptx", text=text, name="scorer.cu")
         return code.decode(errors="replace")
 
     plain, counted = ptx(cuda_scorer.build_defines(4)), ptx(cuda_scorer.build_defines(4, counts=True))

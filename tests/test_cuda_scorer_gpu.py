@@ -25,7 +25,7 @@ from vllm_sparse_sync.testing import decode_graph
 def _why_not() -> str | None:
     if not torch.cuda.is_available():
         return "needs a CUDA device"
-    from vllm_sparse_sync.kernels import cuda_scorer
+    from vllm_sparse_sync.kernels.cuda import scorer as cuda_scorer
 
     ok, why = cuda_scorer.status(torch.cuda.current_device())
     return None if ok else why
@@ -44,7 +44,7 @@ MIXED = 40
 def _ring(deep):
     """The launcher's ring: deep (True: every program), short (False: the short-ring kernel), an
     int (``DEEP_TILES``: chosen per program) or the library's default (None)."""
-    from vllm_sparse_sync.kernels import cuda_scorer
+    from vllm_sparse_sync.kernels.cuda import scorer as cuda_scorer
 
     saved = cuda_scorer.DEEP_TILES
     if deep is not None:
@@ -58,7 +58,7 @@ def _ring(deep):
 @contextlib.contextmanager
 def _builds_launched():
     """The builds (``module_for``'s defines) the launches inside ask for, in order."""
-    from vllm_sparse_sync.kernels import cuda_scorer
+    from vllm_sparse_sync.kernels.cuda import scorer as cuda_scorer
 
     seen, real = [], cuda_scorer.module_for
 
@@ -75,7 +75,7 @@ def _builds_launched():
 
 def _score(case, width, *, precise, active=None, fill=True, splits=None, lens=None, table=None, deep=None,
            module=None, narrow_rows=0):
-    from vllm_sparse_sync.kernels import cuda_scorer
+    from vllm_sparse_sync.kernels.cuda import scorer as cuda_scorer
     from vllm_sparse_sync.kernels.route import score_splits
 
     table = case.block_table if table is None else table
@@ -189,7 +189,7 @@ def test_capture_then_replay_with_new_lengths(deep):
     changes from replay to replay with the lengths: the graph does not fix the ring."""
     case = make_case([64, 3000, 64], heads=64, table_pages=100, device=DEV, seed=9)
     out = torch.full((3, 6400), 7.0, device=DEV)
-    from vllm_sparse_sync.kernels import cuda_scorer
+    from vllm_sparse_sync.kernels.cuda import scorer as cuda_scorer
 
     cfg = DEFAULT_CONFIG.scorer
     cuda_scorer.warmup(DEV)
@@ -222,7 +222,7 @@ def test_the_ring_holds_under_shuffled_timings(deep, precise, consumers):
     usual order; every score still matches the reference. Guards the ring's barrier phases (a
     slot refilled before its reader arrived, a wait passing on a stale parity: run 73's crash). In
 this build a wait longer than 2 s traps, so a deadlocked ring fails here instead of hanging."""
-    from vllm_sparse_sync.kernels import cuda_scorer
+    from vllm_sparse_sync.kernels.cuda import scorer as cuda_scorer
 
     defines = cuda_scorer.build_defines(consumers) + (("RING_STRESS_NS", 3000),)
     mod = cuda_scorer.module_for(torch.cuda.current_device(), defines)
@@ -271,7 +271,7 @@ def test_every_key_byte_scores_as_the_reference(heads):
 def test_one_row_runs_the_narrow_build_and_scores_as_the_default(n, heads, precise, wide, splits, deep, seed):
     """A one-row call with ``scorer.cuda_narrow_rows=1`` launches the narrow build; its scores are
     the reference's and bit for bit the default build's, at any live length under either bound."""
-    from vllm_sparse_sync.kernels import cuda_scorer
+    from vllm_sparse_sync.kernels.cuda import scorer as cuda_scorer
 
     narrow = cuda_scorer.NARROW_CONSUMERS
     case = make_case([n], heads=heads, table_pages=320, device=DEV, seed=seed)
@@ -288,7 +288,7 @@ def test_one_row_runs_the_narrow_build_and_scores_as_the_default(n, heads, preci
 def test_a_captured_one_row_step_replays_on_the_narrow_build():
     """One row captured (the narrow build, warmed up first) replays with new lengths, from one
     tile a program to many."""
-    from vllm_sparse_sync.kernels import cuda_scorer
+    from vllm_sparse_sync.kernels.cuda import scorer as cuda_scorer
 
     case = make_case([64], heads=64, table_pages=400, device=DEV, seed=17)
     out = torch.full((1, 25600), 7.0, device=DEV)
@@ -363,7 +363,8 @@ def test_the_scorer_reads_what_the_kernel_before_it_wrote(waits):
     step's scorer (a dependent launch) scores with the new weights: it waits for that kernel
     before it reads them. A scorer built without the wait (``PDL_WAIT=0``, planted) reads the old
     ones, and the selection follows them."""
-    from vllm_sparse_sync.kernels import cuda_scorer, triton_ops
+    from vllm_sparse_sync.kernels import triton_ops
+    from vllm_sparse_sync.kernels.cuda import scorer as cuda_scorer
     from vllm_sparse_sync.kernels.workspace import IndexerTopkWorkspace
 
     k, width = 512, 4096

@@ -1,5 +1,5 @@
 """The CUDA top-k route on a CPU host: its exact algorithm (the torch emulation of
-``cuda_topk.cu``) against the reference, and an NVRTC compile of the kernel source for sm_90
+``topk.cu``) against the reference, and an NVRTC compile of the kernel source for sm_90
 (NVRTC needs no GPU; skipped with the reason when cuda-bindings or NVRTC is absent)."""
 
 from __future__ import annotations
@@ -13,8 +13,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from vllm_sparse_sync.kernels import cuda_dcp_merge, cuda_topk
-from vllm_sparse_sync.kernels import cuda_topk_emu as emu
+from vllm_sparse_sync.kernels.cuda import dcp_merge as cuda_dcp_merge
+from vllm_sparse_sync.kernels.cuda import topk as cuda_topk
+from vllm_sparse_sync.kernels.cuda import topk_emu as emu
 from vllm_sparse_sync.kernels import reference as ref
 from vllm_sparse_sync.kernels.verify import topk_violations
 
@@ -508,7 +509,7 @@ def test_the_phase_tool_sizes_each_source_by_its_own_layout():
 
 
 def test_phase_cuts_anchor_in_the_library_source():
-    """tools/cuda_topk_phases.py: every cut finds its place in cuda_topk.cu (a refactor that
+    """tools/cuda_topk_phases.py: every cut finds its place in topk.cu (a refactor that
     moves one fails here, not on the GPU host), and keeping one kernel drops every other one."""
     ph = _phases_tool()
     source = cuda_topk.source()
@@ -632,7 +633,7 @@ ptxas info    : Used 58 registers, used 1 barriers, 880 bytes smem
 
 
 def test_trace_stamps_anchor_in_the_library_source():
-    """tools/cuda_topk_trace.py: every stamp finds its place in cuda_topk.cu, each slot is
+    """tools/cuda_topk_trace.py: every stamp finds its place in topk.cu, each slot is
     stamped, and a source without an anchor is refused by name."""
     tr = _bench_tool("cuda_topk_trace")
     text = tr.traced_source(None, {(1, 512)})
@@ -652,7 +653,7 @@ def test_traced_source_compiles():
 
 def test_step_timeline_stamps_every_cluster_kernel_once():
     """tools/step_timeline.py: the entry, release and end stamps find their one place each in
-    cuda_topk.cu (the release right after the dependency wait, the end after the row), and a
+    topk.cu (the release right after the dependency wait, the end after the row), and a
     source that moved an anchor is refused by name."""
     st = _bench_tool("step_timeline")
     text = st.stamped_source(cuda_topk.source())
@@ -799,16 +800,16 @@ def test_the_counts_module_holds_the_one_cta_counts_entries_and_nothing_else():
 
 
 def test_the_kernel_sources_take_order_keys_and_bins_from_one_header():
-    """``cuda_keys.cuh`` is pasted where each source includes it (``resolve_includes``): one
+    """``keys.cuh`` is pasted where each source includes it (``resolve_includes``): one
     definition of the key and pass-A bin in each whole source, so the scorer's counts bin each
     score as the top-k does; a line that includes another file is left as it is."""
-    from vllm_sparse_sync.kernels import cuda_scorer
+    from vllm_sparse_sync.kernels.cuda import scorer as cuda_scorer
 
     for text in (cuda_topk.source(), cuda_scorer.source()):
-        assert '#include "cuda_keys.cuh"' not in text
+        assert '#include "keys.cuh"' not in text
         assert text.count("__device__ __forceinline__ u32 order_key(float x, int nan_low)") == 1
         assert text.count("__device__ __forceinline__ u32 solo_bin(u32 u)") == 1
-    other = '#include <cuda_fp16.h>\n#include "cuda_keys.cuh"  // keys\nint x;\n'
+    other = '#include <cuda_fp16.h>\n#include "keys.cuh"  // keys\nint x;\n'
     got = cuda_topk.resolve_includes(other)
     assert got.startswith("#include <cuda_fp16.h>\n") and got.endswith("int x;\n") and "solo_bin" in got
 

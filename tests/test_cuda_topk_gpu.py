@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from late_writer import late_copier
 
-from vllm_sparse_sync.kernels import cuda_topk_emu as emu
+from vllm_sparse_sync.kernels.cuda import topk_emu as emu
 from vllm_sparse_sync.kernels import reference as ref
 from vllm_sparse_sync.kernels.synth import make_case
 from vllm_sparse_sync.kernels.verify import topk_violations
@@ -19,7 +19,7 @@ from vllm_sparse_sync.kernels.verify import topk_violations
 def _status() -> tuple[bool, str]:
     if not torch.cuda.is_available():
         return False, "needs a CUDA device"
-    from vllm_sparse_sync.kernels.cuda_topk import status
+    from vllm_sparse_sync.kernels.cuda.topk import status
 
     return status("cuda")
 
@@ -34,7 +34,7 @@ ROUTES = ["cta", 1, 2, 4, 8, 16, "auto"]
 
 
 def _launch(x, lens, out, active=None, k=K, route="cta", cap=None):
-    from vllm_sparse_sync.kernels.cuda_topk import launch_cuda_topk, launch_cuda_topk_cluster
+    from vllm_sparse_sync.kernels.cuda.topk import launch_cuda_topk, launch_cuda_topk_cluster
 
     if route == "cta":
         launch_cuda_topk(x, x.stride(0), lens, active, out, k, x.shape[1])
@@ -92,7 +92,7 @@ def test_the_default_route_for_many_rows_is_the_cuda_top_k_and_is_exact():
 @pytest.mark.parametrize("nan_low", [True, False])
 @pytest.mark.parametrize("route", [1, 8])
 def test_nan_and_inf_order_like_the_one_cta_kernel(route, nan_low):
-    from vllm_sparse_sync.kernels.cuda_topk import launch_cuda_topk, launch_cuda_topk_cluster
+    from vllm_sparse_sync.kernels.cuda.topk import launch_cuda_topk, launch_cuda_topk_cluster
 
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("the cluster route needs sm_90+")
@@ -118,7 +118,7 @@ def test_nan_and_inf_order_like_the_one_cta_kernel(route, nan_low):
 def test_every_cluster_launch_size_runs(cluster, threads):
     """Every shared-memory size the planner can ask for launches (48 KB and up need the opt-in,
     the kernel's static share included), and writes the one-CTA kernel's output."""
-    from vllm_sparse_sync.kernels.cuda_topk import launch_cuda_topk_cluster
+    from vllm_sparse_sync.kernels.cuda.topk import launch_cuda_topk_cluster
 
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("the cluster route needs sm_90+")
@@ -136,7 +136,7 @@ def test_wide_clusters_run_chunks_past_the_registers_out_of_line(cluster):
     """8 and 16 CTAs of 1024 threads: a row whose chunk is longer than the registers hold (past
     cluster x 16K keys) runs the shared-memory body compiled out of line (split_smem_row), and
     selects what the one-CTA kernel does, in the same order; rows on either side of the edge too."""
-    from vllm_sparse_sync.kernels import cuda_topk
+    from vllm_sparse_sync.kernels.cuda import topk as cuda_topk
 
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("the cluster route needs sm_90+")
@@ -187,7 +187,7 @@ def _listed_rows(n=40000):
 
 @pytest.mark.parametrize("route", [1, 2, 4, 8])
 def test_listed_bins_rank_by_key_then_position(route):
-    from vllm_sparse_sync.kernels import cuda_topk_emu as emu
+    from vllm_sparse_sync.kernels.cuda import topk_emu as emu
 
     x = _listed_rows()
     plans = [emu.plan_cluster_row(emu.order_keys(r), K, solo=route == 1) for r in x]
@@ -239,7 +239,7 @@ def test_one_cta_listed_bins_of_every_size_write_the_emulated_row(n, listed, dis
     of threads by key, then position), with 1..listed distinct values in it and equal keys at
     random positions: element for element against the emulation, on the C = 1 kernel of 1024
     and 512 threads and on a cluster's first CTA under the 128K bound."""
-    from vllm_sparse_sync.kernels.cuda_topk import launch_cuda_topk_cluster
+    from vllm_sparse_sync.kernels.cuda.topk import launch_cuda_topk_cluster
 
     need = data.draw(st.integers(1, min(listed - 1, k)), label="need")
     x = _row_with_ties(n, k, need, listed, distinct, data.draw(st.integers(0, 2**31 - 1), label="seed"))
@@ -268,7 +268,7 @@ def test_split_rows_from_shared_memory_with_ties_of_every_size(cluster, extra, l
     listed at once (at most TIE_MAX: gathered into every CTA's list, ranked by key, then
     position), else refined; keys past a small ``cap`` from global memory. Element for element
     against the emulation."""
-    from vllm_sparse_sync.kernels.cuda_topk import launch_cuda_topk_cluster
+    from vllm_sparse_sync.kernels.cuda.topk import launch_cuda_topk_cluster
 
     n = 16384 * cluster + extra
     need = data.draw(st.integers(1, min(listed - 1, k)), label="need")
@@ -321,7 +321,7 @@ def test_sixteen_ctas_split_only_rows_past_eight_ctas_worth(monkeypatch):
     CTAs (the rest leave at once) and splits a longer one over all 16: rows of every side of that
     edge under the 128K bound, element for element against the emulation; where the device cannot
     launch 16 (planted), the same call runs 8 CTAs and writes the same."""
-    from vllm_sparse_sync.kernels import cuda_topk
+    from vllm_sparse_sync.kernels.cuda import topk as cuda_topk
 
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("the cluster route needs sm_90+")
@@ -462,7 +462,7 @@ def test_early_lengths_are_read_before_the_wait_and_only_where_asked(cluster):
     late it sees the old ones (why only a step's top-k, after its scorer, asks for it); without
     it, and through ``topk_indices``, the top-k sees the new ones."""
     from vllm_sparse_sync.kernels import triton_ops
-    from vllm_sparse_sync.kernels.cuda_topk import launch_cuda_topk_cluster
+    from vllm_sparse_sync.kernels.cuda.topk import launch_cuda_topk_cluster
 
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("the cluster route needs sm_90+")
@@ -526,7 +526,7 @@ def _page_table(rows: int, pages: int, seed: int) -> torch.Tensor:
 def test_the_cluster_top_k_writes_kv_cache_slots_in_the_same_launch(route, cap):
     # every body (registers, shared memory, keys past cap from global, a split row, a short row)
     # writes each position's slot where a page table is given: the same row, mapped
-    from vllm_sparse_sync.kernels.cuda_topk import launch_cuda_topk_cluster
+    from vllm_sparse_sync.kernels.cuda.topk import launch_cuda_topk_cluster
 
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("the cluster route needs sm_90+")

@@ -80,7 +80,7 @@ def _kernels_equal_torch(ctx, step, res, rows, case) -> list[str]:
 
     world, rank, k, inter = ctx.world_size, ctx.rank, case.k, case.interleave
     errors = []
-    from vllm_sparse_sync.kernels.cuda_dcp_merge import merge_fits, status
+    from vllm_sparse_sync.kernels.cuda.dcp_merge import merge_fits, status
 
     want_merge = "cuda" if status(step.device)[0] and merge_fits(world, k) else "triton"
     if (step.send_route, step.merge_route) != ("triton", want_merge):

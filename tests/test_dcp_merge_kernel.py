@@ -18,7 +18,7 @@ from interpret_env import CUDA, SKIP_WITH_CUDA
 triton = pytest.importorskip("triton")
 
 from vllm_sparse_sync import dcp  # noqa: E402
-from vllm_sparse_sync.kernels import triton_dcp_merge as tm  # noqa: E402
+from vllm_sparse_sync.kernels.triton import dcp_merge as tm  # noqa: E402
 from vllm_sparse_sync.testing import no_host_sync  # noqa: E402
 
 pytestmark = [pytest.mark.interpret, pytest.mark.skipif(CUDA, reason=SKIP_WITH_CUDA)]

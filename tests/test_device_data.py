@@ -206,7 +206,7 @@ def interpreted():
 
 @pytest.mark.usefixtures("interpreted")
 def test_triton_slots_transform_maps_and_counts_as_the_reference():
-    from vllm_sparse_sync.kernels.triton_slots import launch_page_slots
+    from vllm_sparse_sync.kernels.triton.slots import launch_page_slots
 
     g = torch.Generator().manual_seed(5)
     table = torch.randint(0, 2**20, (3, 6), generator=g, dtype=torch.int32)
@@ -225,7 +225,7 @@ def test_triton_slots_transform_maps_and_counts_as_the_reference():
 
 @pytest.mark.usefixtures("interpreted")
 def test_triton_metadata_kernel_reads_a_negative_seq_len_as_zero():
-    from vllm_sparse_sync.kernels.triton_metadata import launch_decode_rows
+    from vllm_sparse_sync.kernels.triton.metadata import launch_decode_rows
 
     seq = torch.tensor([500, INT32_MIN, -7, INT32_MAX], dtype=torch.int32)  # INT32_MIN - 2 would wrap
     qsl = torch.tensor([0, 1, 3, 4, 5], dtype=torch.int32)  # ragged: 1, 2, 1, 1 tokens

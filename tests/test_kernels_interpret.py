@@ -333,7 +333,7 @@ def test_metadata_kernel_matches_the_torch_path(ratio, world, rank, interleave, 
     shrink (stale rows zeroed), grow, and mix uniform and ragged query lengths."""
     from vllm_sparse_sync import DecodeBatch, IndexerLayout, IndexerMetadataBuilder, SeqLenShadow
     from vllm_sparse_sync.bounds import capture_stable_bound
-    from vllm_sparse_sync.kernels.triton_metadata import launch_decode_rows
+    from vllm_sparse_sync.kernels.triton.metadata import launch_decode_rows
 
     layout = IndexerLayout(backend="b12x", compress_ratio=ratio, dcp_world_size=world, dcp_rank=rank,
                            cp_interleave=interleave, max_model_len=4096)
@@ -449,7 +449,7 @@ def test_only_the_steps_top_k_reads_the_lengths_before_its_wait(monkeypatch):
     with ``topk.cuda_lens_early`` off."""
     from types import SimpleNamespace
 
-    from vllm_sparse_sync.kernels import cuda_topk
+    from vllm_sparse_sync.kernels.cuda import topk as cuda_topk
     from vllm_sparse_sync.kernels.route import CUDA_RADIX, Route
 
     calls, real = [], tk._launch_topk
@@ -494,7 +494,7 @@ def test_the_step_hands_the_scorers_counts_to_the_top_k_only_on_their_route(
     """``topk.scorer_counts``: the step gives the workspace's counts to the scorer and then to the
     top-k only where the CUDA scorer runs before the one-CTA CUDA top-k writing positions (CPU:
     the route and both launches are stand-ins that record what they are given)."""
-    from vllm_sparse_sync.kernels.cuda_topk import COUNTS_WORDS
+    from vllm_sparse_sync.kernels.cuda.topk import COUNTS_WORDS
     from vllm_sparse_sync.kernels.route import CUDA_RADIX, Route
 
     given = {}
@@ -550,7 +550,7 @@ def test_topk_indices_writes_kv_cache_slots(algo):
 
 
 def test_the_transform_kernel_matches_the_reference_past_one_block():
-    from vllm_sparse_sync.kernels.triton_slots import SLOTS_BLOCK, launch_page_slots
+    from vllm_sparse_sync.kernels.triton.slots import SLOTS_BLOCK, launch_page_slots
 
     g = torch.Generator().manual_seed(13)
     k = SLOTS_BLOCK + 77  # two programs a row, the second partly masked

@@ -10,7 +10,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from vllm_sparse_sync.kernels import cuda_topk, nvrtc_cache
+from vllm_sparse_sync.kernels.cuda import topk as cuda_topk
+from vllm_sparse_sync.kernels.cuda import nvrtc_cache
 
 NVRTC_OK, NVRTC_WHY = cuda_topk.compiler_status()
 

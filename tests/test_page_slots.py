@@ -15,7 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vllm_sparse_sync import IndexerMetadataBuilder, IndexerStep
-from vllm_sparse_sync.kernels import cuda_topk, page_table_slots
+from vllm_sparse_sync.kernels import page_table_slots
+from vllm_sparse_sync.kernels.cuda import topk as cuda_topk
 from vllm_sparse_sync.kernels import reference as ref
 from vllm_sparse_sync.scenarios import PATHS, make_case, make_step_inputs
 

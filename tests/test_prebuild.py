@@ -11,7 +11,10 @@ import os
 import pytest
 
 from vllm_sparse_sync.cli import main
-from vllm_sparse_sync.kernels import cuda_scorer, cuda_topk, nvrtc_cache, prebuild
+from vllm_sparse_sync.kernels.cuda import scorer as cuda_scorer
+from vllm_sparse_sync.kernels.cuda import topk as cuda_topk
+from vllm_sparse_sync.kernels.cuda import nvrtc_cache
+from vllm_sparse_sync.kernels.cuda import prebuild
 
 
 @pytest.fixture
@@ -19,7 +22,7 @@ def fake_nvrtc(monkeypatch):
     """compile_source replaced by a fake whose cubin is a digest of (arch, name, text); calls counted."""
     calls = []
 
-    def fake(arch, *, output="cubin", extra_options=(), text=None, name="cuda_topk.cu"):
+    def fake(arch, *, output="cubin", extra_options=(), text=None, name="topk.cu"):
         body = cuda_topk.source() if text is None else text
         calls.append((arch, name))
         return hashlib.sha256(f"{arch}|{name}|{body}".encode()).digest() * 8, ""
@@ -40,7 +43,7 @@ def test_prebuild_holds_what_every_module_of_an_h200_loads(tmp_path, fake_nvrtc,
     lines: list[str] = []
     rows = prebuild.prebuild((9, 0), env, progress=lines.append)
     assert [r["origin"] for r in rows] == ["compiled"] * 7
-    assert sorted(fake_nvrtc) == sorted([("sm_90", "cuda_topk.cu")] * 3 + [("sm_90a", "cuda_scorer.cu")] * 4)
+    assert sorted(fake_nvrtc) == sorted([("sm_90", "topk.cu")] * 3 + [("sm_90a", "scorer.cu")] * 4)
     assert any("already cached" not in ln and "compiled" in ln for ln in lines)
     # what cuda_topk._Module and cuda_scorer._Module call when a device loads them
     monkeypatch.setattr(cuda_topk, "compile_source", _no_compile)
@@ -92,7 +95,7 @@ def test_cli_prebuild_writes_json_and_names_the_folder(tmp_path, fake_nvrtc, cap
 
 def test_cli_prebuild_reports_a_compile_error(tmp_path, monkeypatch, capsys):
     def broken(*a, **k):
-        raise cuda_topk.CompileError("NVRTC failed to compile cuda_topk.cu for sm_90:\nerror: x")
+        raise cuda_topk.CompileError("NVRTC failed to compile topk.cu for sm_90:\nerror: x")
 
     monkeypatch.setattr(cuda_topk, "compile_source", broken)
     monkeypatch.setattr(cuda_topk, "compiler_status", lambda: (True, "NVRTC fake"))

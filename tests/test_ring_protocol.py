@@ -1,4 +1,4 @@
-"""The CUDA scorer's shared-memory ring (``cuda_scorer.cu``: ``slot_of``, ``mbar_wait``, the producer
+"""The CUDA scorer's shared-memory ring (``scorer.cu``: ``slot_of``, ``mbar_wait``, the producer
 and consumer loops of ``score_row``) as a CPU model, run under random and adversarial schedules.
 
 The model has the producer warp's issue lanes, bulk copies that land in any order, each consumer
@@ -32,7 +32,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm_sparse_sync.kernels import cuda_scorer
+from vllm_sparse_sync.kernels.cuda import scorer as cuda_scorer
 
 CONSUMERS = 4  # consumer warpgroups of the default build; tile it is consumer it % CONSUMERS's
 NARROW = 2  # the narrow build's (``cuda_scorer.NARROW_CONSUMERS``)

@@ -198,7 +198,7 @@ def test_a_cpu_workspace_says_why_it_has_no_cuda_topk():
     info = ws.device_info()
     assert not info.cuda_topk and info.cluster_smem == 0  # no cluster route without the CUDA top-k
     if not torch.cuda.is_available():
-        from vllm_sparse_sync.kernels.cuda_topk import cluster_smem_limit
+        from vllm_sparse_sync.kernels.cuda.topk import cluster_smem_limit
 
         assert cluster_smem_limit(0) == 0
 
@@ -207,7 +207,7 @@ def test_refused_counts_are_read_cleared_and_make_the_step_unhealthy():
     """``topk.scorer_counts``: each row's refusals word (after its counts) adds up in
     ``counts_refused()``, ``clear_counts_refused()`` zeroes only those words, and a step whose
     workspace has refusals reports ``StepHealth.ok`` False."""
-    from vllm_sparse_sync.kernels.cuda_topk import COUNTS_BINS, COUNTS_REFUSED, COUNTS_WORDS
+    from vllm_sparse_sync.kernels.cuda.topk import COUNTS_BINS, COUNTS_REFUSED, COUNTS_WORDS
     from vllm_sparse_sync.step import StepHealth
 
     cfg = KernelConfig().with_values(**{"topk.scorer_counts": True})

@@ -20,7 +20,7 @@ def _status() -> tuple[bool, str]:
         return False, "needs a CUDA device"
     if torch.cuda.get_device_capability() != (9, 0):
         return False, "the CUDA scorer (sm_90a) and the cluster top-k need compute capability 9.0"
-    from vllm_sparse_sync.kernels.cuda_topk import status
+    from vllm_sparse_sync.kernels.cuda.topk import status
 
     return status("cuda")
 
@@ -112,7 +112,7 @@ def test_counts_left_over_are_not_taken_and_are_cleared():
     behind: the next step's rows do not take them (they sum past the live length), select exactly,
     and leave the buffer zero."""
     from vllm_sparse_sync.kernels import triton_ops as tk
-    from vllm_sparse_sync.kernels.cuda_topk import COUNTS_BINS
+    from vllm_sparse_sync.kernels.cuda.topk import COUNTS_BINS
 
     rows, width = 32, 16384
     case = make_case([width] * rows, heads=64, table_pages=width // 64, device=DEV, seed=5)
@@ -136,8 +136,8 @@ def test_counts_that_disagree_with_the_keys_are_refused_and_the_answer_stays_exa
     word counts one) and the row is counted again, exactly; the same lie one count longer fails
     the sum first (no refusal); the row's own counts are kept (no refusal). Exact and zeroed each
     time; the refusals stay until the host clears them."""
-    from vllm_sparse_sync.kernels import cuda_topk
-    from vllm_sparse_sync.kernels import cuda_topk_emu as emu
+    from vllm_sparse_sync.kernels.cuda import topk as cuda_topk
+    from vllm_sparse_sync.kernels.cuda import topk_emu as emu
     from vllm_sparse_sync.kernels import reference as ref
 
     rows = 4

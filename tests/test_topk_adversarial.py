@@ -9,7 +9,7 @@ import pytest
 import torch
 from adversarial import ALL_ROWS, KINDS, adversarial_rows, edge_lengths, scores, sets
 
-from vllm_sparse_sync.kernels import cuda_topk_emu as emu
+from vllm_sparse_sync.kernels.cuda import topk_emu as emu
 from vllm_sparse_sync.kernels import reference as ref
 
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 from adversarial import ALL_ROWS, KINDS, adversarial_rows, sets
 
-from vllm_sparse_sync.kernels import cuda_topk_emu as emu
+from vllm_sparse_sync.kernels.cuda import topk_emu as emu
 from vllm_sparse_sync.kernels import reference as ref
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -26,7 +26,7 @@ INT32_MAX = 2**31 - 1
 
 
 def _cuda_topk_status() -> tuple[bool, str]:
-    from vllm_sparse_sync.kernels.cuda_topk import status
+    from vllm_sparse_sync.kernels.cuda.topk import status
 
     return status(DEV)
 
@@ -64,7 +64,7 @@ def _run(route: str, x: torch.Tensor, lens: torch.Tensor, out: torch.Tensor, ws=
     rows, width = x.shape
     k = out.shape[1]
     if route.startswith("cluster-"):
-        from vllm_sparse_sync.kernels.cuda_topk import launch_cuda_topk_cluster
+        from vllm_sparse_sync.kernels.cuda.topk import launch_cuda_topk_cluster
 
         size = route.split("-")[1]
         launch_cuda_topk_cluster(x, x.stride(0), lens, None, out, k, width,
@@ -117,12 +117,12 @@ def _split_row_counts(width: int) -> list[int]:
     (``cuda_topk.plan_cluster`` on this device), the Triton sampled top-k, the one-CTA CUDA top-k,
     the fused step, the CUDA scorer, and the most rows a cluster launch takes."""
     from vllm_sparse_sync.kernels.config import DEFAULT_CONFIG
-    from vllm_sparse_sync.kernels.cuda_topk import plan_cluster
+    from vllm_sparse_sync.kernels.cuda.topk import plan_cluster
     from vllm_sparse_sync.kernels.workspace import device_sm_count
 
     sms = device_sm_count(DEV)
     try:
-        from vllm_sparse_sync.kernels.cuda_topk import cluster_smem_limit
+        from vllm_sparse_sync.kernels.cuda.topk import cluster_smem_limit
 
         smem = cluster_smem_limit(torch.device(DEV).index or 0)
     except Exception:
@@ -229,7 +229,7 @@ def test_slots_of_bad_page_entries_are_minus_one_and_counted(route):
     """The cluster top-k's slots entries and the Triton transform (every other route): a slot is a
     valid slot or -1, and the counter holds the reference's count."""
     from vllm_sparse_sync.kernels import triton_ops
-    from vllm_sparse_sync.kernels.cuda_topk import launch_cuda_topk_cluster
+    from vllm_sparse_sync.kernels.cuda.topk import launch_cuda_topk_cluster
     from vllm_sparse_sync.kernels.workspace import IndexerTopkWorkspace
 
     _prepare(route)

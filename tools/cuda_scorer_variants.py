@@ -5,7 +5,7 @@
         [--fp8] [--triton] [--rounds 3]
 
 A variant is ``NAME=PATH[@STAGES[/DEEP_TILES]][:MACRO=VALUE,...]``: a source file (empty: the
-library's ``cuda_scorer.cu``) compiled by NVRTC with those macros defined first. Its launch
+library's ``scorer.cu``) compiled by NVRTC with those macros defined first. Its launch
 follows its source: a source with a producer warp (``PRODUCER_WARP``) runs ``128 * CONSUMERS +
 32`` threads, one CTA an SM, the kernel of ring ``STAGES`` (one the source instantiates) with
 ``deep_tiles`` DEEP_TILES (a program of that many live tiles runs every slot, else the short
@@ -87,7 +87,7 @@ def round_orders(count: int, rounds: int) -> list[list[int]]:
 
 def launch_ring(v: Variant) -> tuple[int | None, int]:
     """(slots, ``deep_tiles``) variant ``v`` launches with (None slots: its source's default)."""
-    from vllm_sparse_sync.kernels import cuda_scorer
+    from vllm_sparse_sync.kernels.cuda import scorer as cuda_scorer
 
     return (v.stages, v.deep_tiles) if v.stages is not None else (None, cuda_scorer.NEVER_DEEP)
 
@@ -102,7 +102,7 @@ def source_macro(text: str, name: str, defines: dict[str, int]) -> int | None:
 
 def geometry(text: str, v: Variant, heads: int, precise: bool = True) -> tuple[str, int, int, int]:
     """(kernel name, threads, dynamic shared memory, CTAs an SM) of variant ``v`` of ``text``."""
-    from vllm_sparse_sync.kernels import cuda_scorer
+    from vllm_sparse_sync.kernels.cuda import scorer as cuda_scorer
 
     qbytes = heads * cuda_scorer.HEAD_DIM * (2 if precise else 1)
     base = f"score_h{heads}_p{int(precise)}"
@@ -137,11 +137,12 @@ def main() -> None:
     import torch
     from indexer import L2_BYTES, PAGE, Inputs, timeit
 
-    from vllm_sparse_sync.kernels import cuda_scorer, cuda_topk
+    from vllm_sparse_sync.kernels.cuda import scorer as cuda_scorer
+    from vllm_sparse_sync.kernels.cuda import topk as cuda_topk
     from vllm_sparse_sync.kernels.config import DEFAULT_CONFIG
     from vllm_sparse_sync.kernels.route import TRITON as TRITON_KIND
     from vllm_sparse_sync.kernels.route import score_splits
-    from vllm_sparse_sync.kernels.triton_scorer import launch_score as launch_triton_score
+    from vllm_sparse_sync.kernels.triton.scorer import launch_score as launch_triton_score
 
     precise = not a.fp8
     scorer_cfg = DEFAULT_CONFIG.with_values(**{"scorer.precise": precise}).scorer

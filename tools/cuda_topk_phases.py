@@ -44,11 +44,11 @@ sys.path[:0] = [_root, os.path.join(_root, "benchmarks"), os.path.join(_root, "t
 
 from graph_timer import graph_replay_us, interleaved_replay_us  # noqa: E402
 
-from vllm_sparse_sync.kernels import cuda_topk  # noqa: E402
+from vllm_sparse_sync.kernels.cuda import topk as cuda_topk  # noqa: E402
 from vllm_sparse_sync.kernels import reference as ref  # noqa: E402
 
 K = 2048
-# (stop, anchor in cuda_topk.cu, code inserted before each line that holds it): each stop ends the
+# (stop, anchor in topk.cu, code inserted before each line that holds it): each stop ends the
 # kernel there
 CUTS = [
     (1, "    if (n <= k) {  // cluster-uniform",
@@ -122,7 +122,7 @@ WORDS = re.compile(r"constexpr int words = C == 1 \? ([^:;]+) : ([^;]+);")
 
 
 def source_pass_words(text: str) -> tuple[int, int]:
-    """The words of pass counts a copy of cuda_topk.cu lays out before its keys, with one CTA
+    """The words of pass counts a copy of topk.cu lays out before its keys, with one CTA
     and with more (``topk_cluster_row``'s ``words``, from the copy's own #defines): an
     experiment copy may lay out more than the library's host sizes shared memory for."""
     m = WORDS.search(text)
@@ -255,7 +255,7 @@ def main() -> None:
                     help=f"the cuts to time, of {STOPS} (99: the whole kernel; 11-32: inside the "
                          "register body)")
     ap.add_argument("--source", action="append", default=None, metavar="PATH",
-                    help="time this copy of cuda_topk.cu instead of the library's (e.g. an earlier "
+                    help="time this copy of topk.cu instead of the library's (e.g. an earlier "
                          "commit's); "
                          "repeatable: the copies side by side (--source '' names the library's)")
     ap.add_argument("--slots", type=int, default=0, metavar="PAGE",

@@ -31,7 +31,7 @@ def run_cases(cases: str, mean: float, std: float, defines: list[str], warmup: i
 
     import torch
 
-    from vllm_sparse_sync.kernels import cuda_topk
+    from vllm_sparse_sync.kernels.cuda import topk as cuda_topk
 
     if not torch.cuda.is_available():
         print("error: needs a CUDA device", file=sys.stderr)

@@ -34,7 +34,7 @@ from cuda_topk_phases import (  # noqa: E402
     write_rows,
 )
 
-from vllm_sparse_sync.kernels import cuda_topk  # noqa: E402
+from vllm_sparse_sync.kernels.cuda import topk as cuda_topk  # noqa: E402
 
 SLOTS = 16
 COUNT, GT_START, GT_END = 15, 14, 13  # launches; global-timer sums at the entry and at GT_AT

@@ -25,8 +25,8 @@ sys.path[:0] = [_root, os.path.join(_root, "benchmarks"), os.path.join(_root, "t
 from graph_timer import graph_replay_us  # noqa: E402
 
 from vllm_sparse_sync import dcp  # noqa: E402
-from vllm_sparse_sync.kernels import cuda_dcp_merge  # noqa: E402
-from vllm_sparse_sync.kernels.triton_dcp_merge import dcp_merge, dcp_send_keys, merge_fits  # noqa: E402
+from vllm_sparse_sync.kernels.cuda import dcp_merge as cuda_dcp_merge  # noqa: E402
+from vllm_sparse_sync.kernels.triton.dcp_merge import dcp_merge, dcp_send_keys, merge_fits  # noqa: E402
 from vllm_sparse_sync.table import text_table  # noqa: E402
 
 K = 2048

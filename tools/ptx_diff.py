@@ -1,4 +1,4 @@
-"""Which cluster top-k entries compile to the same code in two copies of ``cuda_topk.cu``.
+"""Which cluster top-k entries compile to the same code in two copies of ``topk.cu``.
 
     python tools/ptx_diff.py --source old.cu [--define NAME=VALUE] [--show ENTRY]
 
@@ -21,7 +21,7 @@ import sys
 _root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [_root, os.path.join(_root, "benchmarks"), os.path.join(_root, "tools")]  # package, helpers
 
-from vllm_sparse_sync.kernels import cuda_topk  # noqa: E402
+from vllm_sparse_sync.kernels.cuda import topk as cuda_topk  # noqa: E402
 
 ENTRY = re.compile(r"\.entry (topk_cluster_\w+)\((.*?)\)\s*(?:\.\w+[^{]*)?\{(.*?)\n\}", re.S)
 NORMALISE = (
@@ -61,7 +61,7 @@ def ptx_of(text: str, defines: list[str]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--source", required=True,
-                    help="the other copy of cuda_topk.cu (e.g. an earlier commit's)")
+                    help="the other copy of topk.cu (e.g. an earlier commit's)")
     ap.add_argument("--define", action="append", default=[], metavar="NAME=VALUE",
                     help="a macro for both compiles (repeatable)")
     ap.add_argument("--show", default="", help="print this entry's normalised diff")

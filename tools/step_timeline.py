@@ -5,7 +5,7 @@ the top-k source and the CUDA scorer's build side by side in one process.
         [--variant evict=:KEYS_EVICT_FIRST=1] [--config scorer.precise=false] [--phases]
         [--replays 20] [--rounds 5] [--json F]
 
-A variant is a copy of cuda_topk.cu (``--source PATH``, ``''`` the library's) or ``--variant
+A variant is a copy of topk.cu (``--source PATH``, ``''`` the library's) or ``--variant
 NAME=[TOPK_PATH][:MACRO=V,...]``: a copy of the top-k source and macros defined before the CUDA
 scorer's source. Each top-k copy is compiled twice: plain, and with stamps (an experiment copy;
 the library source is unchanged). The stamped kernel's thread 0 of every CTA notes the global
@@ -53,7 +53,7 @@ sys.path[:0] = [_root, os.path.join(_root, "benchmarks"), os.path.join(_root, "t
 from cold_start import shapes_arg  # noqa: E402
 from cuda_scorer_variants import parse_macros  # noqa: E402
 
-from vllm_sparse_sync.kernels import cuda_topk  # noqa: E402
+from vllm_sparse_sync.kernels.cuda import topk as cuda_topk  # noqa: E402
 
 SLOTS = 4096  # launches recorded between two resets
 FIELDS = ("entry_min", "release_min", "release_max", "end_max", "slowest_cycles", "cycles", "ns", "ctas")
@@ -106,7 +106,7 @@ __device__ __forceinline__ void vss_end() {{
     }}
 }}
 """
-# (anchor, replacement): the stamps' places in cuda_topk.cu
+# (anchor, replacement): the stamps' places in topk.cu
 EDITS = (
     ('    asm volatile("griddepcontrol.wait;" ::: "memory");\n',
      '    asm volatile("griddepcontrol.wait;" ::: "memory");\n    vss_released();\n'),
@@ -120,7 +120,7 @@ EDITS = (
 
 
 def stamped_source(text: str) -> str:
-    """``text`` (a cuda_topk.cu) with the timeline's stamps in every cluster kernel; a source
+    """``text`` (a topk.cu) with the timeline's stamps in every cluster kernel; a source
     without one of the anchors is refused by name."""
     for anchor, replacement in EDITS:
         pattern = anchor if isinstance(anchor, re.Pattern) else re.compile(re.escape(anchor))
@@ -177,7 +177,7 @@ def _compile(arch: str, text: str) -> bytes:
 
 def parse_variant(text: str) -> tuple[str, str, tuple[tuple[str, int], ...]]:
     """``NAME=[TOPK_PATH][:MACRO=V,...]`` -> ``(name, top-k path or '', scorer macros)``: a copy of
-    cuda_topk.cu ('' the library's) and macros defined before the CUDA scorer's source."""
+    topk.cu ('' the library's) and macros defined before the CUDA scorer's source."""
     name, sep, rest = text.partition("=")
     if not sep or not re.fullmatch(r"[\w.-]+", name):
         raise ValueError(f"--variant: want NAME=[TOPK_PATH][:MACRO=V,...], got {text!r}")
@@ -225,9 +225,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="1x65536,1x131072,8x65536,32x65536")
     ap.add_argument("--source", action="append", default=[], metavar="PATH",
-                    help="a copy of cuda_topk.cu (repeatable; '' names the library's): --variant NAME=PATH")
+                    help="a copy of topk.cu (repeatable; '' names the library's): --variant NAME=PATH")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=[TOPK_PATH][:MACRO=V,...]",
-                    help="a copy of cuda_topk.cu ('' the library's) and macros for the CUDA scorer's build")
+                    help="a copy of topk.cu ('' the library's) and macros for the CUDA scorer's build")
     ap.add_argument("--replays", type=int, default=20, help="stamped replays of each graph")
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds of the plain graphs")
     ap.add_argument("--phases", action="store_true",
@@ -258,7 +258,7 @@ def main() -> None:
     import indexer as ix
     from graph_timer import capture, replay_us, rotation
 
-    from vllm_sparse_sync.kernels import cuda_scorer
+    from vllm_sparse_sync.kernels.cuda import scorer as cuda_scorer
 
     texts = {}  # path -> text
     for _, path, _ in variants:

@@ -3,7 +3,7 @@
     python tools/wgmma_rate.py [--iters 2000] [--out benchmarks/results/NAME.json]
 
 Every SM runs one CTA whose first 1, 2 or 4 warpgroups each issue a 64-token tile's MMAs over and
-over against a query image in shared memory (A from registers, as ``kernels/cuda_scorer.cu``):
+over against a query image in shared memory (A from registers, as ``kernels/cuda/scorer.cu``):
 f16 8 x m64n64k16 (the exact path), f16 16 x m64n32k16 (heads split in two), e4m3 4 x m64n64k32
 (the fp8 path) and f16 4 x m64n64k16 (half the exact path's steps), each alone and with the
 scorer's relu-and-weight epilogue after the wait. Prints an SM's cycles per tile (all its
@@ -66,7 +66,7 @@ __device__ __forceinline__ void micro(int iters, int wgs, long long* out, int ep
 
 def source() -> str:
     """The scorer's source (its wgmma wrappers) with one kernel per form appended."""
-    from vllm_sparse_sync.kernels import cuda_scorer
+    from vllm_sparse_sync.kernels.cuda import scorer as cuda_scorer
 
     kernels = "".join(
         f'extern "C" __global__ void __launch_bounds__(544, 1) rate_{name}(int iters, int wgs, '
@@ -93,7 +93,8 @@ def main() -> None:
     if not torch.cuda.is_available():
         print("error: needs a CUDA device", file=sys.stderr)
         sys.exit(2)
-    from vllm_sparse_sync.kernels import cuda_scorer, cuda_topk
+    from vllm_sparse_sync.kernels.cuda import scorer as cuda_scorer
+    from vllm_sparse_sync.kernels.cuda import topk as cuda_topk
 
     mod = cuda_scorer.module_for(0)
     drv = mod.driver

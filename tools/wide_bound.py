@@ -55,7 +55,7 @@ def measure(L: int, copies: int) -> dict:
 
     from vllm_sparse_sync.kernels import triton_ops as tk
     from vllm_sparse_sync.kernels.config import DEFAULT_CONFIG
-    from vllm_sparse_sync.kernels.cuda_topk import launch_cuda_topk_cluster
+    from vllm_sparse_sync.kernels.cuda.topk import launch_cuda_topk_cluster
     from vllm_sparse_sync.kernels.scorer import launch_score
     from vllm_sparse_sync.kernels.workspace import IndexerTopkWorkspace
 

@@ -175,9 +175,9 @@ def _prebuild(args: argparse.Namespace) -> int:
 
     import torch
 
-    from .kernels import nvrtc_cache
-    from .kernels.cuda_topk import CompileError
-    from .kernels.prebuild import parse_arch, prebuild
+    from .kernels.cuda import nvrtc_cache
+    from .kernels.cuda.topk import CompileError
+    from .kernels.cuda.prebuild import parse_arch, prebuild
 
     check_output_path("--json", args.json)
     if args.arch:

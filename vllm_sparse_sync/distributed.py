@@ -141,10 +141,10 @@ def _merge_route(asked: str, device: torch.device, world: int, k: int) -> str:
     cuda-bindings."""
     if asked == "torch" or (asked == "auto" and device.type != "cuda"):
         return "torch"
-    from .kernels.triton_dcp_merge import merge_fits
+    from .kernels.triton.dcp_merge import merge_fits
 
     if asked in ("auto", "cuda"):
-        from .kernels import cuda_dcp_merge
+        from .kernels.cuda import dcp_merge as cuda_dcp_merge
 
         ok, why = cuda_dcp_merge.status(device) if device.type == "cuda" else (False, f"device {device}")
         if ok and cuda_dcp_merge.merge_fits(world, k):
@@ -388,7 +388,7 @@ class DcpIndexerStep:
         inter = self.layout.cp_interleave
         send = self.send[:rows * k]
         if self.send_route == "triton":
-            from .kernels.triton_dcp_merge import dcp_send_keys
+            from .kernels.triton.dcp_merge import dcp_send_keys
 
             if local_idx.stride(1) != 1:
                 local_idx = local_idx.contiguous()
@@ -403,13 +403,13 @@ class DcpIndexerStep:
         gathered = self.gathered[:world * rows * k]
         self._gather(gathered, send, group=self.group)
         if self.merge_route == "cuda":
-            from .kernels.cuda_dcp_merge import cuda_dcp_merge
+            from .kernels.cuda.dcp_merge import cuda_dcp_merge
 
             cuda_dcp_merge(gathered.view(world, rows, k), k, out.global_idx, out.local_idx,
                            out.local_mask, world=world, rank=self.rank, interleave=inter)
             return out
         if self.merge_route == "triton":
-            from .kernels.triton_dcp_merge import dcp_merge
+            from .kernels.triton.dcp_merge import dcp_merge
 
             dcp_merge(gathered.view(world, rows, k), k, out.global_idx, out.local_idx,
                       out.local_mask, world=world, rank=self.rank, interleave=inter)

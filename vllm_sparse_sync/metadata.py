@@ -105,7 +105,7 @@ class IndexerMetadataBuilder:
     @staticmethod
     def _triton_launcher():
         try:
-            from .kernels.triton_metadata import launch_decode_rows
+            from .kernels.triton.metadata import launch_decode_rows
         except ImportError:  # no Triton: the torch path, a few more launches
             return None
         return launch_decode_rows

@@ -79,7 +79,7 @@ def page_table_slots(indices, page_table, page_size, *, unmapped=None):
         counter = reference.check_unmapped(unmapped, indices.device)
         if counter is None and reference.device_checks_enabled():  # this call's count, to assert on
             counter = torch.zeros(1, dtype=torch.int32, device=indices.device)
-        from .triton_slots import launch_page_slots
+        from .triton.slots import launch_page_slots
 
         out = indices.clone(memory_format=torch.contiguous_format)
         launch_page_slots(out, page_table, bits, counter)

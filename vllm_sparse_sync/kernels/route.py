@@ -168,7 +168,7 @@ def plan_route(rows: int, width: int, page: int, device: DeviceInfo,
     if algo == CUDA_RADIX:
         plan = None
         if config.topk.cuda_cluster and device.cluster_smem > 0:
-            from .cuda_topk import plan_cluster  # pure host logic
+            from .cuda.topk import plan_cluster  # pure host logic
 
             plan = plan_cluster(rows, width, sms, device.cluster_smem)
         if plan is None:  # one CTA per row

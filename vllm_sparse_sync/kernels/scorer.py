@@ -14,7 +14,7 @@ def cuda_scorer_ok(device: torch.device) -> bool:
     """Whether the CUDA scorer can run on ``device`` (a host query, cached per device)."""
     if device.type != "cuda" or interpreting():
         return False
-    from .cuda_scorer import status
+    from .cuda.scorer import status
 
     return status(device.index if device.index is not None else torch.cuda.current_device())[0]
 
@@ -35,14 +35,14 @@ def launch_score(q_fp8, weights, k_cache, block_table, row_lens, active, out, *,
     writes the top-k's pass-A counts there (``cuda_scorer.launch_cuda_score``); Triton leaves them.
     Returns the kind run."""
     if kind == CUDA:
-        from . import cuda_scorer
+        from .cuda import scorer as cuda_scorer
 
         if cuda_scorer.takes(q_fp8, k_cache, block_table, page_size, splits):
             cuda_scorer.launch_cuda_score(q_fp8, weights, k_cache, block_table, row_lens, active, out,
                                           page_size=page_size, sel_width=sel_width, fill_width=fill_width,
                                           splits=splits, config=config, counts=counts)
             return CUDA
-    from .triton_scorer import launch_score as launch_triton_score
+    from .triton.scorer import launch_score as launch_triton_score
 
     launch_triton_score(q_fp8, weights, k_cache, block_table, row_lens, active, out, page_size=page_size,
                         sel_width=sel_width, fill_width=fill_width, splits=splits, config=config)

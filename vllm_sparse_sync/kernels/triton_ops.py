@@ -13,10 +13,10 @@ from . import reference as ref
 from .config import DEFAULT_CONFIG, KernelConfig
 from .route import CUDA, CUDA_RADIX, SAMPLE, Route, score_splits
 from .scorer import launch_score, scorer_kind
-from .triton_cache import write_k_cache_kernel
-from .triton_fused import launch_fused_step
-from .triton_topk import launch_radix_topk
-from .triton_topk_sample import launch_sample_topk
+from .triton.k_cache import write_k_cache_kernel
+from .triton.fused import launch_fused_step
+from .triton.topk_radix import launch_radix_topk
+from .triton.topk_sample import launch_sample_topk
 from .workspace import IndexerTopkWorkspace
 
 _check = ref._check
@@ -151,7 +151,7 @@ def _slots(out: torch.Tensor, pages: tuple | None, unmapped: torch.Tensor | None
     """``out``'s positions rewritten as KV-cache slots where ``pages`` (table, log2 page size) is
     given, by its own launch; positions without a slot add to ``unmapped``."""
     if pages is not None:
-        from .triton_slots import launch_page_slots
+        from .triton.slots import launch_page_slots
 
         launch_page_slots(out, *pages, unmapped)
 
@@ -166,7 +166,7 @@ def _launch_topk(route: Route, logits, row_lens, active_width, ws, out, k, width
     positions without a slot add to ``unmapped``. ``counts``: the pass-A counts that scorer wrote
     (``scorer_counts_for``)."""
     if route.kind == CUDA_RADIX and route.topk_cluster:
-        from .cuda_topk import launch_cuda_topk_cluster
+        from .cuda.topk import launch_cuda_topk_cluster
 
         launch_cuda_topk_cluster(logits, logits.stride(0), row_lens, active_width, out, k, width,
                                  nan_low=nan_low, cluster=route.topk_cluster, cap=route.topk_cap,
@@ -183,7 +183,7 @@ def _launch_positions(route: Route, logits, row_lens, active_width, ws, out, k, 
                       nan_low: bool) -> None:
     """The top-k launches of a route other than the cluster top-k (positions)."""
     if route.kind == CUDA_RADIX:
-        from .cuda_topk import launch_cuda_topk
+        from .cuda.topk import launch_cuda_topk
 
         tc = ws.config.topk
         launch_cuda_topk(logits, logits.stride(0), row_lens, active_width, out, k, width, nan_low=nan_low,

@@ -13,7 +13,7 @@ from functools import cache
 import torch
 
 from .config import DEFAULT_CONFIG, KernelConfig
-from .cuda_topk import COUNTS_REFUSED, COUNTS_WORDS
+from .cuda.topk import COUNTS_REFUSED, COUNTS_WORDS
 from .route import CUDA_RADIX, SAMPLE, DeviceInfo, Route, plan_route, topk_algo_for
 
 
@@ -125,7 +125,7 @@ class IndexerTopkWorkspace:
             elif self.device.type != "cuda" or interpreting():
                 self._cuda_topk = (False, f"device {self.device} is not a CUDA device")
             else:
-                from .cuda_topk import status
+                from .cuda.topk import status
 
                 self._cuda_topk = status(self.device)
         return self._cuda_topk
@@ -135,7 +135,7 @@ class IndexerTopkWorkspace:
         cuda_ok = self.cuda_topk_status[0]
         cluster_smem = 0
         if cuda_ok and self.config.topk.cuda_cluster:
-            from .cuda_topk import cluster_smem_limit
+            from .cuda.topk import cluster_smem_limit
 
             cluster_smem = cluster_smem_limit(self.device.index if self.device.index is not None
                                               else torch.cuda.current_device())

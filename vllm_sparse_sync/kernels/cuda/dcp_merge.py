@@ -1,4 +1,4 @@
-"""The DCP merge + remap in CUDA (``dcp_merge_p*`` of ``cuda_topk.cu``, compiled with the CUDA
+"""The DCP merge + remap in CUDA (``dcp_merge_p*`` of ``topk.cu``, compiled with the CUDA
 top-k by NVRTC): one CTA of 1024 threads per row holds the row's ``world * k_local`` gathered
 keys in registers and selects the exact global top-k by radix passes of 11 bits that stop once
 the k-th key's bin is resolved.
@@ -15,7 +15,7 @@ import ctypes
 
 import torch
 
-from . import cuda_topk
+from . import topk as cuda_topk
 
 THREADS = 1024
 KEYS_PER_THREAD = (1, 2, 4, 8, 16)
@@ -45,7 +45,7 @@ def cuda_dcp_merge(gathered: torch.Tensor, k: int, global_idx: torch.Tensor, loc
     """Merge + remap of gathered keys ``int64 [world, rows, k_local]`` (CUDA) into the caller's
     ``[rows, k]`` buffers (``global_idx`` / ``local_idx`` int32, ``local_mask`` bool): what
     ``dcp.merge_candidate_keys``, ``dcp.global_to_local`` and ``>= 0`` write."""
-    from ..dcp import check_merge_buffers
+    from ...dcp import check_merge_buffers
 
     if isinstance(k, bool) or not isinstance(k, int) or not 0 < k < 2**31:
         raise ValueError(f"cuda_dcp_merge: k must be a positive int32, got {k!r}")

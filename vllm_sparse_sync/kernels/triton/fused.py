@@ -39,10 +39,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import lanes_where, live_length, next_prefix, pick_digit, radix_hist, sortable_key
-from .triton_scorer import load_query, page_keys, tile_scores
-from .triton_topk_sample import select_emit
-from .workspace import interpreting
+from .common import lanes_where, live_length, next_prefix, pick_digit, radix_hist, sortable_key
+from .scorer import load_query, page_keys, tile_scores
+from .topk_sample import select_emit
+from ..workspace import interpreting
 
 SPIN_LIMIT = (1 << 31) - 1  # polls before a row barrier gives up and marks its row
 

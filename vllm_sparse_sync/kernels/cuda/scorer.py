@@ -1,4 +1,4 @@
-"""The CUDA paged scorer for sm_90 (``cuda_scorer.cu``, wgmma), compiled at run time by NVRTC.
+"""The CUDA paged scorer for sm_90 (``scorer.cu``, wgmma), compiled at run time by NVRTC.
 
 Same contract and grid as the Triton scorer (``triton_scorer.launch_score``): it scores what the
 reference ``paged_indexer_logits`` does, the exact path (``scorer.precise``: e4m3 -> f16, fp32
@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 
-from . import cuda_topk
+from . import topk as cuda_topk
 
-SOURCE_PATH = Path(__file__).with_name("cuda_scorer.cu")
+SOURCE_PATH = Path(__file__).with_name("scorer.cu")
 ARCH = "sm_90a"
 CAPABILITY = (9, 0)
 PAGE = 64
@@ -65,7 +65,7 @@ SLOT_BYTES = PAGE * (HEAD_DIM + 4)
 
 
 def source() -> str:
-    """``cuda_scorer.cu`` with its headers in place (``cuda_topk.resolve_includes``)."""
+    """``scorer.cu`` with its headers in place (``cuda_topk.resolve_includes``)."""
     return cuda_topk.resolve_includes(SOURCE_PATH.read_text())
 
 
@@ -141,7 +141,7 @@ def build_cubin(defines: tuple[tuple[str, int], ...] = (), environ=None) -> tupl
     """``(cubin, origin)`` of the build with ``defines`` (``cuda_topk.module_cubin``: from the
     on-disk cache, else compiled by NVRTC and stored); needs no GPU."""
     text = "".join(f"#define {k} {int(v)}\n" for k, v in defines) + source()
-    return cuda_topk.module_cubin(ARCH, text=text, name="cuda_scorer.cu", environ=environ)
+    return cuda_topk.module_cubin(ARCH, text=text, name="scorer.cu", environ=environ)
 
 
 class _Module:

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import sortable_key
+from .common import sortable_key
 
 MAX_MERGE_KEYS = 4096
 """Most gathered keys per row (``world * k_local``, padded to a power of two) one merge program
@@ -167,7 +167,7 @@ def dcp_merge(gathered: torch.Tensor, k: int, global_idx: torch.Tensor, local_id
     ``[rows, k]`` buffers (``global_idx`` / ``local_idx`` int32, ``local_mask`` bool), equal to
     ``dcp.merge_candidate_keys`` then ``dcp.global_to_local`` then ``>= 0``. Requires
     ``merge_fits(world, k_local, k)``."""
-    from ..dcp import check_merge_buffers
+    from ...dcp import check_merge_buffers
 
     rows, k_local = check_merge_buffers("dcp_merge", gathered, world, k, global_idx, local_idx, local_mask)
     if not merge_fits(world, k_local, k):

@@ -1,6 +1,6 @@
-"""Pure-torch emulation of ``cuda_topk.cu``: the same digit passes, early exit, tie rule and
+"""Pure-torch emulation of ``topk.cu``: the same digit passes, early exit, tie rule and
 output order, so the CPU tests pin down what the CUDA kernel must output (element for element,
-not only the set). See the comment at the top of ``cuda_topk.cu``.
+not only the set). See the comment at the top of ``topk.cu``.
 
 The output of a row of n > k live scores is its selection in ascending position order: every
 position whose key is above the k-th largest key, and the lowest positions among the keys equal
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .reference import effective_lengths
+from ..reference import effective_lengths
 
 PASSES = ((21, 11), (10, 11), (0, 10))
 """(shift, bits) of the digit of each pass: bits 31..21, 20..10, 9..0."""
@@ -402,7 +402,7 @@ def dcp_merge_row(keys_row: torch.Tensor, k: int, *, world: int, rank: int,
             ids.append(low - 2**32 if low >= 2**31 else low)  # int32, as the kernel casts
     gidx = torch.full((k,), -1, dtype=torch.int32)
     gidx[:len(ids)] = torch.tensor(ids, dtype=torch.int32)
-    from ..dcp import global_to_local
+    from ...dcp import global_to_local
 
     lidx = global_to_local(gidx, world, rank, interleave)
     return gidx, lidx, lidx >= 0

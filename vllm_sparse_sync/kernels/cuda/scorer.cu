@@ -1,6 +1,6 @@
 // CUDA paged indexer scorer for sm_90a: logit[r, t] = k_scale[t] * sum_h w[r, h] * relu(q[r, h] . k[t]).
 //
-// Compiled at run time by NVRTC (kernels/cuda_scorer.py); the torch reference
+// Compiled at run time by NVRTC (kernels/cuda/scorer.py); the torch reference
 // (kernels/reference.paged_indexer_logits) is its specification. Same grid and contract as the
 // Triton scorer (triton_scorer.py): program (row, split) of a (rows, splits) grid scores the
 // 64-token tiles split, split + splits, ... of its row up to the row's device length n; a
@@ -45,7 +45,7 @@ typedef unsigned int u32;
 typedef unsigned long long u64;
 typedef long long i64;
 
-#include "cuda_keys.cuh"  // order_key, solo_bin: the counts build's bins are the top-k's
+#include "keys.cuh"  // order_key, solo_bin: the counts build's bins are the top-k's
 
 #ifndef STAGES_DEEP
 #define STAGES_DEEP 24   // the deep ring (programs of at least deep_tiles live tiles)

@@ -1,4 +1,4 @@
-"""The CUDA top-k route (``cuda_radix``): ``cuda_topk.cu`` compiled at run time by NVRTC.
+"""The CUDA top-k route (``cuda_radix``): ``topk.cu`` compiled at run time by NVRTC.
 
 Two kernels, one output: ``launch_cuda_topk`` (one CTA per row, any CUDA GPU from sm_70) and,
 on sm_90+, ``launch_cuda_topk_cluster`` (a thread-block cluster of 1-16 CTAs per row holding the
@@ -30,17 +30,17 @@ from pathlib import Path
 
 import torch
 
-from .reference import MAX_PAGE_BITS, check_page_table, check_unmapped
+from ..reference import MAX_PAGE_BITS, check_page_table, check_unmapped
 
-SOURCE_PATH = Path(__file__).with_name("cuda_topk.cu")
-HEADERS = ("cuda_keys.cuh",)
+SOURCE_PATH = Path(__file__).with_name("topk.cu")
+HEADERS = ("keys.cuh",)
 """headers the kernel sources include by name (``resolve_includes``): beside this file"""
-# (threads, float4 vectors per thread and tile) compiled in cuda_topk.cu
+# (threads, float4 vectors per thread and tile) compiled in topk.cu
 VARIANTS = ((1024, 4), (1024, 2), (512, 4), (512, 8))
 MIN_CAPABILITY = (7, 0)
 _STATIC_SMEM_LIMIT = 48 * 1024
 HIST_BINS = 2048
-# the cluster route (sm_90+): CTAs per row compiled in cuda_topk.cu, threads per CTA
+# the cluster route (sm_90+): CTAs per row compiled in topk.cu, threads per CTA
 CLUSTER_SIZES = (1, 2, 4, 8, 16)
 CLUSTER_THREADS = (1024, 512)
 CLUSTER_MIN_CAPABILITY = (9, 0)
@@ -87,7 +87,7 @@ def resolve_includes(text: str) -> str:
 
 
 def source() -> str:
-    """``cuda_topk.cu`` with its headers in place (``resolve_includes``)."""
+    """``topk.cu`` with its headers in place (``resolve_includes``)."""
     return resolve_includes(SOURCE_PATH.read_text())
 
 
@@ -285,9 +285,9 @@ def _check(result, what: str):
 
 def compile_source(
     arch: str, *, output: str = "cubin", extra_options: tuple[str, ...] = (), text: str | None = None,
-    name: str = "cuda_topk.cu",
+    name: str = "topk.cu",
 ) -> tuple[bytes, str]:
-    """NVRTC-compile ``cuda_topk.cu`` (or ``text``, called ``name`` in messages) for ``arch``
+    """NVRTC-compile ``topk.cu`` (or ``text``, called ``name`` in messages) for ``arch``
     (e.g. ``"sm_90"``, ``"sm_90a"``): ``(ptx or cubin bytes, log)``.
 
     Needs no GPU. ``output="ptx"`` compiles for the virtual ``compute_XX`` arch.
@@ -337,7 +337,7 @@ def compiler_identity() -> str:
     return f"NVRTC {major}.{minor}; cuda-bindings {bindings}"
 
 
-def module_cubin(arch: str, *, text: str | None = None, name: str = "cuda_topk.cu",
+def module_cubin(arch: str, *, text: str | None = None, name: str = "topk.cu",
                  extra_options: tuple[str, ...] = (), environ=None) -> tuple[bytes, str]:
     """``(cubin, origin)`` for a module to load: from the on-disk cache (``nvrtc_cache``; its
     folder from ``environ``, default the process's) when it holds this source compiled by this

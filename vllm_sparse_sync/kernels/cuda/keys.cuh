@@ -1,5 +1,5 @@
-// Sortable keys of fp32 scores and the one-CTA top-k's pass-A bins, shared by cuda_topk.cu and
-// cuda_scorer.cu (whose counts build bins the scores it writes for the top-k). Included by the
+// Sortable keys of fp32 scores and the one-CTA top-k's pass-A bins, shared by topk.cu and
+// scorer.cu (whose counts build bins the scores it writes for the top-k). Included by the
 // loader (cuda_topk.resolve_includes), not by NVRTC's search path.
 #ifndef VLLM_SPARSE_SYNC_CUDA_KEYS_CUH
 #define VLLM_SPARSE_SYNC_CUDA_KEYS_CUH

@@ -16,7 +16,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_common import (
+from .common import (
     chunk_tiles,
     lanes_where,
     live_length,

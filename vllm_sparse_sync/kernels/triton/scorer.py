@@ -21,8 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import live_length
-from .workspace import interpreting
+from .common import live_length
+from ..workspace import interpreting
 
 try:  # Triton >= 3.3 on CUDA; a no-op for a next kernel not launched as a programmatic dependent
     from triton.language.extra.cuda import gdc_launch_dependents

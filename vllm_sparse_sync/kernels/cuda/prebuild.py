@@ -8,7 +8,9 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from . import cuda_scorer, cuda_topk, nvrtc_cache
+from . import scorer as cuda_scorer
+from . import topk as cuda_topk
+from . import nvrtc_cache
 
 
 @dataclass(frozen=True)

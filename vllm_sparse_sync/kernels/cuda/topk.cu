@@ -1,7 +1,7 @@
 // CUDA top-k over per-row live prefixes of fp32 scores: one CTA per row, exact radix select.
 //
-// Compiled at run time by NVRTC (kernels/cuda_topk.py); the pure-torch emulation of the same
-// algorithm is kernels/cuda_topk_emu.py and is the specification of this file:
+// Compiled at run time by NVRTC (kernels/cuda/topk.py); the pure-torch emulation of the same
+// algorithm is kernels/cuda/topk_emu.py and is the specification of this file:
 //
 //   key      u = bits ^ 0x80000000 for a positive float, ~bits for a negative one (unsigned order
 //            = float order); nan_low != 0 maps every NaN to 0 (below every number).
@@ -28,7 +28,7 @@ typedef long long i64;
 
 #define FULL_MASK 0xffffffffu
 #ifndef TOPK_SLOTS_MODULE
-#define TOPK_SLOTS_MODULE 0  // 1: the module of the cluster kernels' slots entries (kernels/cuda_topk.py)
+#define TOPK_SLOTS_MODULE 0  // 1: the module of the cluster kernels' slots entries (kernels/cuda/topk.py)
 #endif
 #ifndef TOPK_COUNTS_MODULE
 #define TOPK_COUNTS_MODULE 0  // 1: the module of the one-CTA entries that take the scorer's counts
@@ -36,7 +36,7 @@ typedef long long i64;
 #define COUNTS_BINS 4096  // cuda_topk.COUNTS_BINS: a row's counts (solo_bin's bins), then its refusals
                          // counter and three unused words (cuda_topk.COUNTS_WORDS)
 
-#include "cuda_keys.cuh"  // order_key, solo_bin, solo_bin_keys, SOLO_EXP_LO
+#include "keys.cuh"  // order_key, solo_bin, solo_bin_keys, SOLO_EXP_LO
 
 // min(row_len, sel_width, active[0]), at least 0. The second read is unconditional (without an
 // active width it reads the row's length again, which clamps nothing), so both are in flight
@@ -635,7 +635,7 @@ DCP_MERGE_KERNEL(16)
 //            parameter).
 //   counts   the counts entries (`_counts`, the counts module: TOPK_COUNTS_MODULE; one CTA a row,
 //            positions) take `counts`, each row's COUNTS_BINS solo_bin counts as the CUDA scorer's
-//            counts build wrote them for these scores (kernels/cuda_scorer.cu, SCORER_COUNTS): a
+//            counts build wrote them for these scores (kernels/cuda/scorer.cu, SCORER_COUNTS): a
 //            row in registers takes them as its pass A where they sum to n (find_bin_counts; left
 //            over counts make the sum differ) and its keys agree with the bin they name (as many
 //            above it and in it; else the row's refusals word, after its counts, counts one);

@@ -5,7 +5,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_common import lanes_where
+from .common import lanes_where
 
 
 @triton.jit(do_not_specialize=["num_slots", "page_stride"])

@@ -15,7 +15,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_common import (
+from .common import (
     chunk_tiles,
     live_length,
     load_tile,

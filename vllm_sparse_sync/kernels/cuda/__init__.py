@@ -1,0 +1,1 @@
+"""The NVRTC-compiled CUDA routes: the wgmma scorer, the one-CTA and cluster top-k, the DCP merge."""
