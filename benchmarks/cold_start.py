@@ -89,8 +89,7 @@ def timed(rows: list[dict], part: str, fn) -> None:
     print(f"{part}: first {times[0]:.2f} s, then {times[1] * 1e3:.2f} ms", flush=True)
 
 
-ROUTES = {"default": {}, "fp8 dot": {"scorer.precise": False}, "Triton scorer": {"scorer.cuda": False},
-          "fused (Triton)": {"topk.cuda_cluster": False}}
+ROUTES = {"default": {}, "fp8 dot": {"precise": False}, "Triton only": {"cuda": False}}
 """the step's routes the indexer benchmark times, as config overrides"""
 
 
@@ -104,7 +103,7 @@ def shape_parts(rows: list[dict], B: int, L: int, tk, workspace_cls, default_con
 
     for name, values in ROUTES.items():
         ws = workspace_cls(max(B, 256), TOPK, 131072, "cuda", config=default_config.with_values(**values))
-        route = ws.route(B, L, PAGE)
+        route = ws.plan_call(B, L, PAGE)
         timed(rows, f"{B}x{L} step, {name} ({route.kind}, {route.scorer} scorer)", lambda ws=ws: step(ws))
     ws = workspace_cls(max(B, 256), TOPK, 131072, "cuda")
 
@@ -134,7 +133,7 @@ def main() -> None:
     from vllm_sparse_sync.kernels import DEFAULT_CONFIG
     from vllm_sparse_sync.kernels.cuda import scorer as cuda_scorer
     from vllm_sparse_sync.kernels.cuda import topk as cuda_topk
-    from vllm_sparse_sync.kernels import triton_ops as tk
+    from vllm_sparse_sync.kernels import ops as tk
     from vllm_sparse_sync.kernels.workspace import IndexerTopkWorkspace
 
     rows.append(dict(part="imports", first_s=time.perf_counter() - t0, second_s=0.0))

@@ -108,7 +108,7 @@ def bench_one(path: DecodePath, B: int, device: torch.device, gen: torch.Generat
     w = torch.randn(n_rows, lay.num_heads, generator=gen).to(device)
     cache = torch.zeros(B * pages, lay.page_size * (lay.head_dim + 4), dtype=torch.uint8, device=device)
     out = torch.empty(n_rows, lay.topk, dtype=torch.int32, device=device)
-    res["route"] = step.route(n_rows).kind
+    res["route"] = step.route(n_rows, step.contract(meta)[1]).kind
     res["step_us"] = median_us(lambda: step.run(meta, q, w, cache, out=out), device)
     health = step.health()
     res["step_health"] = "ok" if health.ok else f"{health.stalled_rows} stalled rows"

@@ -1,7 +1,7 @@
 """Decode indexer benchmark on one GPU: our Triton scorer, top-k and whole step beside the peers.
 
     python benchmarks/indexer.py [--out benchmarks/results/NAME.json] [--shapes 1x4096,64x65536]
-                                 [--peers-only] [--no-peers] [--config topk.algo=radix,...]
+                                 [--peers-only] [--no-peers] [--config topk=radix,...]
                                  [--topk-algos radix,sample] [--baseline results/OLD.json]
     python benchmarks/indexer.py --combine A.json B.json --out C.json   # merge runs, print table
     python benchmarks/indexer.py --spread A.json B.json C.json [--out S.json]  # ratios across runs
@@ -57,12 +57,9 @@ sys.path.insert(0, ROOT)
 from graph_timer import graph_replay_us, interleaved_replay_us  # noqa: E402
 
 from vllm_sparse_sync.kernels import reference as ref  # noqa: E402
-from vllm_sparse_sync.kernels.config import (  # noqa: E402
-    DEFAULT_CONFIG,
-    KernelConfig,
-    parse_assignments,
-)
-from vllm_sparse_sync.kernels.route import score_splits  # noqa: E402
+from vllm_sparse_sync.kernels.config import DEFAULT_CONFIG, KernelConfig  # noqa: E402
+from vllm_sparse_sync.kernels.config import parse_config as parse_kernel_config  # noqa: E402
+from vllm_sparse_sync.kernels.planner import FUSED_MAX_ROWS, Route, score_splits  # noqa: E402
 from vllm_sparse_sync.kernels.synth import random_k_cache  # noqa: E402
 from vllm_sparse_sync.kernels.workspace import IndexerTopkWorkspace  # noqa: E402
 
@@ -84,29 +81,35 @@ def graph_sizes(B: int, L: int) -> tuple[int, int]:
 def step_calls(inp: Inputs, ws: IndexerTopkWorkspace, out: torch.Tensor) -> dict:
     """Our exact step on ``ws`` and its two launches as the step makes them (its route's splits,
     ``ws``'s logits buffer), each as ``call(i)`` on input copy ``i``: ``step``, ``scorer``,
-    ``topk`` (the latter reads what the scorer last left in the buffer). Where the step's scorer
-    writes pass-A counts (``topk.scorer_counts``), the scorer alone is that build, writing into
-    counts of its own that no top-k reads (the step's stay the step's)."""
-    from vllm_sparse_sync.kernels import triton_ops as tk
-    from vllm_sparse_sync.kernels.scorer import launch_score
+    ``topk`` (the latter reads what the scorer last left in the buffer)."""
+    from vllm_sparse_sync.kernels import ops as tk
+    from vllm_sparse_sync.kernels.launch import launch_scorer, launch_topk
 
     L = inp.L
-    route = ws.route(inp.B, L, PAGE)
-    counts = tk.scorer_counts_for(route, ws, None)
-    scratch = None if counts is None else torch.zeros_like(counts)
+    route = ws.plan_call(inp.B, L, PAGE)
+    cfg = ws.config
     return {
         "step": lambda i: tk.indexer_topk(*inp.args(i), TOPK, width=L, workspace=ws, out=out),
-        "scorer": lambda i: launch_score(*inp.args(i), None, ws.logits, page_size=PAGE, sel_width=L,
-                                         fill_width=0, splits=route.score_splits, config=ws.config.scorer,
-                                         kind=route.scorer, counts=scratch),
-        "topk": lambda i: tk._launch_topk(route, ws.logits, inp.lens, None, ws, out, TOPK, L, nan_low=False),
+        "scorer": lambda i: launch_scorer(route, *inp.args(i), None, ws.logits, page=PAGE, width=L,
+                                          precise=cfg.precise, pdl=cfg.pdl),
+        "topk": lambda i: launch_topk(route, ws.logits, inp.lens, None, ws, out, TOPK, L, nan_low=False),
     }
 
 
-def unfused_splits(B: int, L: int, config: KernelConfig, scorer: str = "triton") -> int:
+def unfused_splits(B: int, L: int, scorer: str = "triton") -> int:
     """Programs per row of the ``scorer`` kernel on the unfused route for B rows."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    return score_splits(B, sms, config, scorer)
+    return score_splits(B, sms, scorer)
+
+
+def with_device(ws: IndexerTopkWorkspace, **changes) -> IndexerTopkWorkspace:
+    """``ws`` planning as if its device lacked something (``cuda_scorer=False``: the Triton scorer
+    beside the CUDA top-k; ``cluster_smem=0``: no cluster route): a benchmark's comparison only."""
+    import dataclasses
+
+    ws._device = dataclasses.replace(ws.device_info(), **changes)
+    ws._routes.clear()
+    return ws
 
 
 def timeit(make_call, ncalls: int, iters: int = 15) -> float:
@@ -163,25 +166,27 @@ def step_workspaces(B: int, L: int, config) -> tuple[IndexerTopkWorkspace, Index
     """The exact step's workspace (a serving runner's, 128K wide) and the fp8 step's (the call's
     own size, ``scorer.precise`` off)."""
     ws = IndexerTopkWorkspace(max(B, SERVING_ROWS), TOPK, WIDE, DEV, config=config)
-    ws8 = IndexerTopkWorkspace(B, TOPK, L, DEV, config=config.with_values(**{"scorer.precise": False}))
+    ws8 = IndexerTopkWorkspace(B, TOPK, L, DEV, config=config.with_values(precise=False))
     return ws, ws8
 
 
 def bench_ours(inp: Inputs, ncalls: int, config, res: dict, algos: tuple[str, ...] = ()) -> None:
-    from vllm_sparse_sync.kernels import triton_ops as tk
-    from vllm_sparse_sync.kernels.route import TRITON
-    from vllm_sparse_sync.kernels.scorer import launch_score
+    from vllm_sparse_sync.kernels import ops as tk
+    from vllm_sparse_sync.kernels.device import cuda_topk_status
+    from vllm_sparse_sync.kernels.launch import launch_scorer
+    from vllm_sparse_sync.kernels.planner import TRITON
 
     B, L = inp.B, inp.L
     ws, ws8 = step_workspaces(B, L, config)
     out = torch.empty(B, TOPK, dtype=torch.int32, device=DEV)
     active = torch.tensor([L], dtype=torch.int32, device=DEV)
-    kind = ws.route(B, L, PAGE).scorer
+    kind = ws.plan_call(B, L, PAGE).scorer
     res["scorer_kind"] = kind
 
-    def scorer(i, cfg=config.scorer, logits=ws.logits, kind=kind):  # the step's scorer alone
-        return lambda: launch_score(*inp.args(i), None, logits, page_size=PAGE, sel_width=L, fill_width=0,
-                                    splits=unfused_splits(B, L, config, kind), config=cfg, kind=kind)
+    def scorer(i, cfg=config, logits=ws.logits, kind=kind):  # the step's scorer alone
+        route = Route("scorer", B, score_splits=unfused_splits(B, L, kind), scorer=kind)
+        return lambda: launch_scorer(route, *inp.args(i), None, logits, page=PAGE, width=L,
+                                     precise=cfg.precise, pdl=cfg.pdl)
 
     def step(i, width, act=None):
         return lambda: tk.indexer_topk(*inp.args(i, width == WIDE), TOPK, active_width=act, width=width,
@@ -190,27 +195,27 @@ def bench_ours(inp: Inputs, ncalls: int, config, res: dict, algos: tuple[str, ..
     res["scorer_us"] = timeit(scorer, ncalls)
     # the same step with the fp8 tensor-core dot (DeepGEMM's numerics) instead of the exact fp16 one
     cfg8 = ws8.config
-    kind8 = ws8.route(B, L, PAGE).scorer
-    res["scorer_fp8_us"] = timeit(lambda i: scorer(i, cfg8.scorer, ws8.logits, kind8), ncalls)
+    kind8 = ws8.plan_call(B, L, PAGE).scorer
+    res["scorer_fp8_us"] = timeit(lambda i: scorer(i, cfg8, ws8.logits, kind8), ncalls)
     if kind != TRITON:  # the Triton scorer beside it and the step it makes; the CUDA e4m3 kernel
         res["scorer_triton_us"] = timeit(lambda i: scorer(i, kind=TRITON), ncalls)
-        res["scorer_cuda_fp8_us"] = timeit(lambda i: scorer(i, cfg8.scorer, ws8.logits, kind), ncalls)
-        ws_t = IndexerTopkWorkspace(max(B, SERVING_ROWS), TOPK, WIDE, DEV,
-                                    config=config.with_values(**{"scorer.cuda": False}))
+        res["scorer_cuda_fp8_us"] = timeit(lambda i: scorer(i, cfg8, ws8.logits, kind), ncalls)
+        ws_t = with_device(IndexerTopkWorkspace(max(B, SERVING_ROWS), TOPK, WIDE, DEV, config=config),
+                           cuda_scorer=False)
         res["step_triton_us"] = timeit(lambda i: lambda: tk.indexer_topk(
             *inp.args(i), TOPK, width=L, workspace=ws_t, out=out), ncalls)
     res["step_fp8_us"] = timeit(lambda i: lambda: tk.indexer_topk(
         *inp.args(i), TOPK, width=L, workspace=ws8, out=out), ncalls)
     res["step_us"] = timeit(lambda i: step(i, L), ncalls)
-    res["route"] = ws.route(B, L, PAGE).kind
+    res["route"] = ws.plan_call(B, L, PAGE).kind
     if res["route"] == "fused":  # the same step as score-then-select launches, for comparison
-        ws_u = IndexerTopkWorkspace(B, TOPK, WIDE, DEV, config=config.with_values(**{"fused.enabled": False}))
+        ws_u = IndexerTopkWorkspace(B, TOPK, WIDE, DEV, config=config.with_values(fused=False))
         res["step_unfused_us"] = timeit(lambda i: lambda: tk.indexer_topk(
             *inp.args(i), TOPK, width=L, workspace=ws_u, out=out), ncalls)
-    elif config.fused.enabled and B <= config.fused.max_rows:  # the fused step the planner passed over
-        ws_f = IndexerTopkWorkspace(max(B, SERVING_ROWS), TOPK, WIDE, DEV,
-                                    config=config.with_values(**{"topk.cuda_cluster": False}))
-        if ws_f.route(B, L, PAGE).fused:
+    elif config.fused and B <= FUSED_MAX_ROWS:  # the fused step the planner passed over
+        ws_f = with_device(IndexerTopkWorkspace(max(B, SERVING_ROWS), TOPK, WIDE, DEV, config=config),
+                           cluster_smem=0)
+        if ws_f.plan_call(B, L, PAGE).fused:
             res["step_fused_us"] = timeit(lambda i: lambda: tk.indexer_topk(
                 *inp.args(i), TOPK, width=L, workspace=ws_f, out=out), ncalls)
     res["step_wide_host_us"] = timeit(lambda i: step(i, WIDE), ncalls)
@@ -227,11 +232,11 @@ def bench_ours(inp: Inputs, ncalls: int, config, res: dict, algos: tuple[str, ..
     res["dense_scorer_us"] = timeit(lambda i: lambda: tk.paged_indexer_logits(
         *inp.args(i), L, out=logits[i % nl], config=config), ncalls)
     # the other top-k algorithms: top-k alone and the whole step (``topk_<algo>_us``, ``step_<algo>_us``)
-    for algo in (a for a in algos if a != config.topk.algo):
-        cfg_a = config.with_values(**{"topk.algo": algo, "fused.enabled": False})
+    for algo in (a for a in algos if a != config.topk):
+        cfg_a = config.with_values(topk=algo, fused=False)
         tws_a = IndexerTopkWorkspace(B, TOPK, 0, DEV, config=cfg_a)
-        if algo == "cuda_radix" and not tws_a.cuda_topk_status[0]:  # it would time the Triton fallback
-            res["topk_cuda_radix_check"] = f"unavailable: {tws_a.cuda_topk_status[1]}"
+        if algo == "cuda" and not cuda_topk_status(tws_a.device)[0]:  # it would time the Triton fallback
+            res["topk_cuda_check"] = f"unavailable: {cuda_topk_status(tws_a.device)[1]}"
             continue
         res[f"topk_{algo}_us"] = timeit(lambda i, w=tws_a: lambda: tk.topk_indices(
             logits[i % nl], inp.lens, TOPK, workspace=w, out=out), ncalls)
@@ -252,17 +257,14 @@ def bench_ours(inp: Inputs, ncalls: int, config, res: dict, algos: tuple[str, ..
     rows = min(B, 2)
     bad = topk_violations(got[:rows], dense[:rows], inp.lens[:rows], TOPK, tol=1e-3)
     if kind != TRITON:  # the step's selection on the Triton scorer's logits too
-        triton_only = config.with_values(**{"scorer.cuda": False})
+        triton_only = config.with_values(cuda=False)
         dense_t = tk.paged_indexer_logits(*inp.args(0), L, config=triton_only)
         bad = bad or topk_violations(got[:rows], dense_t[:rows], inp.lens[:rows], TOPK, tol=1e-3)
         fin = torch.isfinite(dense_t[:rows])
         res["scorer_vs_triton_max_rel"] = float(((dense[:rows] - dense_t[:rows]).abs()[fin]).max()
                                                 / dense_t[:rows][fin].abs().max())
     res["fused_stalls"] = ws.stalled_rows()  # rows whose barriers gave up (marked -1): must be 0
-    # topk.scorer_counts: rows whose top-k refused the scorer's counts (a scorer fault): must be 0
-    res["counts_refused"] = sum(w.counts_refused() for w in (ws, ws8))
-    trouble = (["stalled rows"] if res["fused_stalls"] else []) + (
-        ["refused scorer counts"] if res["counts_refused"] else [])
+    trouble = ["stalled rows"] if res["fused_stalls"] else []
     res["step_check"] = "ok" if not bad and not trouble else (bad or trouble)[0]
     if B * L <= 65536:  # the torch reference scorer (Python loop over rows, host syncs): eager timing
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -425,7 +427,7 @@ def peer_logits(inp: Inputs, ncalls: int):
     """The dense logits every top-k alone gets, ours and the peers': ``(width, buffers, first,
     buffer list)``, 128K-wide buffers (``-inf`` past the live length) where they fit, rotated past
     L2; buffer j holds input copy j's scores, so the calls select from the inputs the step sees."""
-    from vllm_sparse_sync.kernels import triton_ops as tk
+    from vllm_sparse_sync.kernels import ops as tk
 
     B, L = inp.B, inp.L
     width = WIDE if B * WIDE * 4 < 2e9 else L
@@ -452,7 +454,7 @@ def fi_call(lib, x, out, offsets, lens, states, algo: int):
 
 def bench_flashinfer_topk(lib, inp: Inputs, ncalls: int, res: dict) -> None:
     """FlashInfer's ragged top-k (offsets 0: plain indices) on the buffers vLLM's top-k gets."""
-    from vllm_sparse_sync.kernels import triton_ops as tk
+    from vllm_sparse_sync.kernels import ops as tk
 
     B = inp.B
     _, nl, base, bufs = peer_logits(inp, ncalls)
@@ -497,7 +499,7 @@ def bench_deepgemm(dg, inp: Inputs, ncalls: int, res: dict) -> None:
 
 def bench_vllm_topk(ops, inp: Inputs, ncalls: int, res: dict) -> None:
     """vLLM's persistent and cooperative top-k; each one's set checked against the reference."""
-    from vllm_sparse_sync.kernels import triton_ops as tk
+    from vllm_sparse_sync.kernels import ops as tk
 
     B, L = inp.B, inp.L
     _, nl, base, bufs = peer_logits(inp, ncalls)
@@ -572,7 +574,7 @@ def load_sglang_topk():
 
 def bench_sglang_topk(sgl, inp: Inputs, ncalls: int, res: dict) -> None:
     """SGLang's top-k on the buffers vLLM's top-k gets; the set checked against the reference."""
-    from vllm_sparse_sync.kernels import triton_ops as tk
+    from vllm_sparse_sync.kernels import ops as tk
 
     width, nl, base, bufs = peer_logits(inp, ncalls)
     lens = inp.lens.to(torch.int32).clone()
@@ -777,7 +779,7 @@ COLS = [("B", "{}"), ("L", "{}"), ("route", "{}"), ("scorer_us", "{:.1f}"), ("to
         ("scorer_tbs", "{:.2f}"), ("scorer_pct_copy", "{:.0f}"), ("wide_over_exact", "{:.3f}"),
         ("scorer_fp8_us", "{:.1f}"), ("step_fp8_us", "{:.1f}"), ("scorer_triton_us", "{:.1f}"),
         ("scorer_cuda_fp8_us", "{:.1f}"), ("step_triton_us", "{:.1f}"), ("topk_sample_us", "{:.1f}"),
-        ("topk_cuda_radix_us", "{:.1f}"),
+        ("topk_cuda_us", "{:.1f}"),
         ("step_sample_us", "{:.1f}"), ("topk_radix_us", "{:.1f}"), ("step_radix_us", "{:.1f}"),
         ("torch_topk_us", "{:.1f}"), ("deepgemm_us", "{:.1f}"), ("vllm_persistent_topk_us", "{:.1f}"),
         ("vllm_cooperative_topk_us", "{:.1f}"), ("fi_auto_topk_us", "{:.1f}"),
@@ -870,8 +872,8 @@ def spread_table(rows: list[dict]) -> str:
 
 
 def parse_config(text: str) -> KernelConfig:
-    """``"topk.algo=radix,scorer.precise=false"`` over the defaults."""
-    return DEFAULT_CONFIG.with_values(**parse_assignments(text)) if text else DEFAULT_CONFIG
+    """``"topk=radix,precise=false"`` over the defaults."""
+    return parse_kernel_config(text) if text else DEFAULT_CONFIG
 
 
 def compare(rows: list[dict], baseline_path: str) -> str:
@@ -896,7 +898,7 @@ def main() -> None:
     ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--config", default="")
     ap.add_argument("--config-file", default="", help="a KernelConfig as JSON (KernelConfig.to_dict); overrides --config")
-    ap.add_argument("--topk-algos", default="radix,sample,cuda_radix",
+    ap.add_argument("--topk-algos", default="radix,sample,cuda",
                     help="top-k algorithms to time besides the config's (topk_<algo>_us, step_<algo>_us)")
     ap.add_argument("--combine", nargs="*")
     ap.add_argument("--spread", nargs="*", help="runs of one build: each shape's ratios across them")

@@ -65,7 +65,7 @@ def slot_sets(t: torch.Tensor) -> torch.Tensor:
 def makers(inp, bufs, table, peers) -> tuple[dict, torch.Tensor]:
     """Every timed entry as ``name -> make(call index) -> call`` on ``bufs[i]`` (128K wide where it
     fits; ours reads them L wide, the peers take the row stride), writing into one output."""
-    from vllm_sparse_sync.kernels import triton_ops as tk
+    from vllm_sparse_sync.kernels import ops as tk
     from vllm_sparse_sync.kernels.triton.slots import launch_page_slots
     from vllm_sparse_sync.kernels.workspace import IndexerTopkWorkspace
 

@@ -49,7 +49,7 @@ def measure(B: int, L: int, iters: int) -> dict:
     copies, ncalls = ix.graph_sizes(B, L)
     inp = ix.Inputs(B, L, copies)
     ws, _ = ix.step_workspaces(B, L, ix.DEFAULT_CONFIG)
-    route = ws.route(B, L, ix.PAGE)
+    route = ws.plan_call(B, L, ix.PAGE)
     out = torch.empty(B, ix.TOPK, dtype=torch.int32, device=ix.DEV)
     parts = ix.step_calls(inp, ws, out)
     dg, vt = ix.load_deepgemm(), ix.load_vllm_topk()

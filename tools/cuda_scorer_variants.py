@@ -139,13 +139,11 @@ def main() -> None:
 
     from vllm_sparse_sync.kernels.cuda import scorer as cuda_scorer
     from vllm_sparse_sync.kernels.cuda import topk as cuda_topk
-    from vllm_sparse_sync.kernels.config import DEFAULT_CONFIG
-    from vllm_sparse_sync.kernels.route import TRITON as TRITON_KIND
-    from vllm_sparse_sync.kernels.route import score_splits
+    from vllm_sparse_sync.kernels.planner import TRITON as TRITON_KIND
+    from vllm_sparse_sync.kernels.planner import score_splits
     from vllm_sparse_sync.kernels.triton.scorer import launch_score as launch_triton_score
 
     precise = not a.fp8
-    scorer_cfg = DEFAULT_CONFIG.with_values(**{"scorer.precise": precise}).scorer
 
     if not torch.cuda.is_available():
         print("error: needs a CUDA device", file=sys.stderr)
@@ -185,19 +183,18 @@ def main() -> None:
         for v, fn, info in kernels:
             out = torch.empty(B, L, device="cuda")
             if fn is None:  # the Triton scorer
-                splits = score_splits(B, sms, DEFAULT_CONFIG, TRITON_KIND)
+                splits = score_splits(B, sms, TRITON_KIND)
 
                 def call(i, splits=splits, out=out, inp=inp, L=L):
                     return lambda: launch_triton_score(*inp.args(i), None, out, page_size=PAGE, sel_width=L,
-                                                       fill_width=0, splits=splits, config=scorer_cfg)
+                                                       fill_width=0, splits=splits, precise=precise)
             else:
                 splits = max(1, sms * info["ctas_per_sm"] // B)
 
                 def call(i, fn=fn, info=info, splits=splits, out=out, inp=inp, B=B, L=L):
                     q, w, cache, table, lens = inp.args(i)
                     values = cuda_scorer.score_values(q, w, cache, table, lens, None, out, page_size=PAGE,
-                                                      sel_width=L, fill_width=0, config=scorer_cfg,
-                                                      deep_tiles=info["deep_tiles"])
+                                                      sel_width=L, fill_width=0, deep_tiles=info["deep_tiles"])
                     return lambda: cuda_topk.launch_values(mod, fn, (B, splits, 1), info["threads"],
                                                            info["smem"], values, q.device)
 

@@ -215,7 +215,7 @@ def indexer_logits(B: int, L: int, W: int, seed: int) -> torch.Tensor:
     (its copy 0)."""
     from indexer import Inputs  # benchmarks/indexer.py
 
-    from vllm_sparse_sync.kernels import triton_ops as tk
+    from vllm_sparse_sync.kernels import ops as tk
 
     return tk.paged_indexer_logits(*Inputs(B, L, 1, seed=seed).args(0), W)
 

@@ -82,12 +82,12 @@ def main() -> None:
     require_cuda("step_drift.py")
     import indexer as ix
 
-    from vllm_sparse_sync.kernels import triton_ops as tk
+    from vllm_sparse_sync.kernels import ops as tk
 
     copies, ncalls = ix.graph_sizes(B, L)
     inp = ix.Inputs(B, L, copies)
     ws, ws8 = ix.step_workspaces(B, L, ix.DEFAULT_CONFIG)
-    route = ws.route(B, L, ix.PAGE)
+    route = ws.plan_call(B, L, ix.PAGE)
     out = torch.empty(B, ix.TOPK, dtype=torch.int32, device=ix.DEV)
     calls = ix.step_calls(inp, ws, out)
     calls["step_fp8"] = lambda i: tk.indexer_topk(*inp.args(i), ix.TOPK, width=L, workspace=ws8, out=out)

@@ -192,7 +192,7 @@ def measure(B: int, L: int, seconds: float, rounds: int, parts: bool, nvml: Nvml
     import indexer as ix
     from graph_timer import capture, rotation
 
-    from vllm_sparse_sync.kernels import triton_ops as tk
+    from vllm_sparse_sync.kernels import ops as tk
 
     copies, ncalls = ix.graph_sizes(B, L)
     inp = ix.Inputs(B, L, copies)

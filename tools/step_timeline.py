@@ -187,10 +187,10 @@ def parse_variant(text: str) -> tuple[str, str, tuple[tuple[str, int], ...]]:
 
 def topk_on_copies(route, logits: list, lens, ws, out, width: int):
     """``call(i)``: the step's top-k launch (``route``'s) on ``logits[i % len(logits)]``."""
-    from vllm_sparse_sync.kernels import triton_ops as tk
+    from vllm_sparse_sync.kernels.launch import launch_topk
 
-    return lambda i: tk._launch_topk(route, logits[i % len(logits)], lens, None, ws, out, out.shape[1], width,
-                                     nan_low=False)
+    return lambda i: launch_topk(route, logits[i % len(logits)], lens, None, ws, out, out.shape[1], width,
+                                 nan_low=False)
 
 
 def module_from_text(index: int, text: str):
@@ -297,7 +297,7 @@ def main() -> None:
         ws, _ = ix.step_workspaces(B, L, config)
         out = torch.empty(B, ix.TOPK, dtype=torch.int32, device=ix.DEV)
         parts = ix.step_calls(inp, ws, out)
-        route = ws.route(B, L, ix.PAGE)
+        route = ws.plan_call(B, L, ix.PAGE)
         copy_logits = []  # each input copy's scores, as the step's scorer leaves them
         for j in range(copies):
             parts["scorer"](j)
@@ -362,18 +362,14 @@ def main() -> None:
 
 
 def step_config(ap: argparse.ArgumentParser, text: str):
-    """``--config``'s assignments as the step's ``KernelConfig`` (``indexer.parse_config``); bad text,
-    or a step whose top-k the stamps would not reach (``topk.scorer_counts``), ends the script as
-    argparse does (exit 2), before any GPU work."""
+    """``--config``'s assignments as the step's ``KernelConfig`` (``indexer.parse_config``); bad text
+    ends the script as argparse does (exit 2), before any GPU work."""
     import indexer as ix
 
     try:
         config = ix.parse_config(text)
     except (ValueError, TypeError, KeyError) as exc:
         ap.error(f"--config: {exc}")
-    if config.topk.scorer_counts:  # its top-k is the counts module, which the stamps do not reach
-        ap.error("--config: topk.scorer_counts: the timeline stamps the positions module only; time "
-                 "the counts step with tools/step_ab.py")
     return config
 
 

@@ -53,10 +53,11 @@ def measure(L: int, copies: int) -> dict:
     import indexer as ix
     import torch
 
-    from vllm_sparse_sync.kernels import triton_ops as tk
+    from vllm_sparse_sync.kernels import ops as tk
     from vllm_sparse_sync.kernels.config import DEFAULT_CONFIG
     from vllm_sparse_sync.kernels.cuda.topk import launch_cuda_topk_cluster
-    from vllm_sparse_sync.kernels.scorer import launch_score
+    from vllm_sparse_sync.kernels.launch import launch_scorer
+    from vllm_sparse_sync.kernels.planner import Route
     from vllm_sparse_sync.kernels.workspace import IndexerTopkWorkspace
 
     B, n = 1, copies
@@ -65,8 +66,8 @@ def measure(L: int, copies: int) -> dict:
     ws = IndexerTopkWorkspace(ix.SERVING_ROWS, ix.TOPK, ix.WIDE, "cuda", config=cfg)
     out = torch.empty(B, ix.TOPK, dtype=torch.int32, device="cuda")
     act = torch.tensor([L], dtype=torch.int32, device="cuda")
-    r = {"L": L, "copies": copies, "route_exact": str(ws.route(B, L, ix.PAGE)),
-         "route_wide": str(ws.route(B, ix.WIDE, ix.PAGE))}
+    r = {"L": L, "copies": copies, "route_exact": str(ws.plan_call(B, L, ix.PAGE)),
+         "route_wide": str(ws.plan_call(B, ix.WIDE, ix.PAGE))}
 
     def T(f):
         return ix.timeit(f, n)
@@ -79,10 +80,10 @@ def measure(L: int, copies: int) -> dict:
     logits = ws.logits
 
     def scorer(width, a, kind):
-        wide, splits = width == ix.WIDE, ix.unfused_splits(B, width, cfg, kind)
-        return lambda i: lambda: launch_score(*inp.args(i, wide), a, logits, page_size=ix.PAGE,
-                                              sel_width=width, fill_width=0, splits=splits, config=cfg.scorer,
-                                              kind=kind)
+        wide, splits = width == ix.WIDE, ix.unfused_splits(B, width, kind)
+        route = Route("scorer", B, score_splits=splits, scorer=kind)
+        return lambda i: lambda: launch_scorer(route, *inp.args(i, wide), a, logits, page=ix.PAGE, width=width,
+                                               precise=cfg.precise, pdl=cfg.pdl)
 
     tk.indexer_topk(*inp.args(0, True), ix.TOPK, width=ix.WIDE, workspace=ws, out=out)  # row 0's logits
 

@@ -102,8 +102,6 @@ def audit_batch(path: DecodePath, device: torch.device, *, seed: int = 0,
     health = step.health()
     if health.stalled_rows:
         problems.append(f"{health.stalled_rows} stalled rows in the fused step")
-    if health.refused_counts:
-        problems.append(f"{health.refused_counts} rows refused the scorer's counts")
     return AuditRow(path=path.name, bound_source=bound.source.value, bound=bound.value, exact_max=exact,
                     widening=round(bound.value / exact, 3) if exact else math.inf, topk_match=match,
                     host_reads=reads, ok=not problems, detail="; ".join(problems), seed=seed)

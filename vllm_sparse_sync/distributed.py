@@ -223,7 +223,7 @@ class DcpIndexerStep:
         config = DEFAULT_CONFIG if config is None else config
         # unfused: the scorer leaves its scores in the workspace, where the merge reads them
         self.inner = IndexerStep(layout, max_rows=max_rows, max_pages_per_req=max_pages_per_req,
-                                 device=self.device, config=config.with_values(**{"fused.enabled": False}))
+                                 device=self.device, config=config.with_values(fused=False))
         if local_route == "auto":
             local_route = "triton" if self.device.type == "cuda" else "torch"
         self.local_route = local_route
@@ -315,7 +315,7 @@ class DcpIndexerStep:
             idx, scores = torch_local_candidates(q_fp8, weights, k_cache, meta.block_table,
                                                  meta.row_lens, self.k, width, active_width=active)
             return idx, scores, False
-        from .kernels import triton_ops
+        from .kernels import ops
 
         idx = self.local_topk[:rows]
         ws = self.inner.workspace
@@ -324,8 +324,10 @@ class DcpIndexerStep:
 
             ws = self.inner.workspace = IndexerTopkWorkspace(
                 self.max_rows, self.k, self.inner.width_capacity, self.device, config=self.inner.config)
-        triton_ops.indexer_topk(q_fp8, weights, k_cache, meta.block_table, meta.row_lens, self.k,
-                                active_width=active, width=width, workspace=ws, out=idx)
+        plan = self.inner.plan
+        ops.indexer_topk(q_fp8, weights, k_cache, meta.block_table, meta.row_lens, self.k, active_width=active,
+                         width=width, workspace=ws, out=idx,
+                         route=None if plan is None or rows == 0 else plan.route(rows, width))
         # unfused route: the scores of every live column are in the workspace's logits
         logits = ws.logits[:rows]
         if not want_scores:

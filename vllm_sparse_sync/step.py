@@ -1,11 +1,13 @@
 """The decode indexer step: planned once from the layout and capacities, run on each step's
 metadata. With ``IndexerMetadataBuilder`` it is the public way to run a decode indexer step.
 
-Plan (``IndexerStep(...)``, outside capture): the workspace for the largest call, the
-configuration. Bind and run (``run(meta, ...)``, every step): the host contract follows the
-backend (B12X: the device ``active_width`` clamp over the block table's width; DeepGEMM-style:
-the host bound as the logits width), the route follows the call's row count; nothing is read
-from the device, nothing is allocated when ``out=`` is given, so a step captures in a CUDA graph.
+Plan (``IndexerStep(...)``, outside capture): the workspace for the largest call and
+``step.plan``, the kernels of every row count the step can see (``kernels.planner.StepPlan``;
+``print(step.plan)``). Bind and run (``run(meta, ...)``, every step): the host contract follows
+the backend (B12X: the device ``active_width`` clamp over the block table's width; DeepGEMM-style:
+the host bound as the logits width), the route is looked up by the call's row count; nothing is
+read from the device, nothing is allocated when ``out=`` is given, so a step captures in a CUDA
+graph.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from . import checks, kernels
 from .bounds import capture_stable_bound
 from .kernels import reference as ref
 from .kernels.config import DEFAULT_CONFIG, KernelConfig
-from .kernels.route import Route
+from .kernels.launch import CooperativeLaunchRefused
+from .kernels.planner import CUDA, Route, StepPlan, plan_step, width_bands
 from .layout import IndexerBackend, IndexerLayout
 from .metadata import IndexerDecodeMetadata, IndexerMetadataBuilder
 
@@ -29,10 +32,6 @@ class StepHealth:
 
     stalled_rows: int
     """Rows whose fused row barrier gave up; their output rows were written as all ``-1``."""
-    refused_counts: int = 0
-    """Rows whose top-k refused the scorer's pass-A counts (``topk.scorer_counts``): they summed to
-    the row's live length but disagreed with its keys, a fault of the scorer's counts build. Each
-    such row was counted again: its answer is exact, the fault is reported here."""
     unmapped_slots: int = 0
     """Selected positions that had no KV-cache slot (``run(slots=...)``: a page-table entry that
     is negative or whose slot would pass ``2**31 - 1``, a page past the table; a DCP candidate
@@ -40,7 +39,7 @@ class StepHealth:
 
     @property
     def ok(self) -> bool:
-        return self.stalled_rows == 0 and self.refused_counts == 0 and self.unmapped_slots == 0
+        return self.stalled_rows == 0 and self.unmapped_slots == 0
 
 
 def _positive(name: str, v: object, high: int | None = None) -> int:
@@ -74,6 +73,29 @@ class IndexerStep:
         self.unmapped = (self.workspace.unmapped if self.workspace is not None
                          else torch.zeros(1, dtype=torch.int32, device=self.device))
         """Selected positions written as ``-1`` for want of a slot, since the last ``health()``."""
+        self.plan: StepPlan | None = self._plan()
+        """The kernels of every call this step can see (None: the torch reference, off CUDA)."""
+
+    def _plan(self) -> StepPlan | None:
+        """The step's plan: every row count up to ``max_rows`` at the widths its calls name (B12X:
+        the block table's; DeepGEMM-style: bands of the host bound up to the capacity)."""
+        if self.workspace is None:
+            return None
+        lay = self.layout
+        if lay.backend is IndexerBackend.B12X:
+            widths: tuple[int, ...] = (self.max_pages_per_req * lay.page_size,)
+        else:
+            widths = width_bands(self.width_capacity, lay.page_size)
+        fits = lay.page_size == 64 and lay.head_dim == 128 and lay.num_heads in (32, 64)
+        plan = plan_step(self.max_rows, widths, lay.page_size, self.workspace.device_info(), self.config,
+                         scorer_fits=fits)
+        self._cuda_scorer = any(r.scorer == CUDA for row in plan.routes for r in row)
+        return plan
+
+    def __repr__(self) -> str:
+        head = (f"IndexerStep({self.layout.backend.value}, max_rows={self.max_rows}, "
+                f"max_pages_per_req={self.max_pages_per_req}, device={self.device})")
+        return f"{head}\n{self.plan!r}" if self.plan is not None else f"{head}: the torch reference"
 
     @classmethod
     def for_builder(cls, builder: IndexerMetadataBuilder, config: KernelConfig | None = None
@@ -95,12 +117,13 @@ class IndexerStep:
         return None, meta.bound.value
 
     def route(self, rows: int, width: int | None = None) -> Route | None:
-        """The kernels a call of ``rows`` rows takes here (None: the torch reference, off CUDA)."""
-        rows = checks.host_int("rows", rows, low=0, high=self.max_rows)
-        width = self.width_capacity if width is None else checks.host_int("width", width, low=0)
-        if self.workspace is None:
+        """The planned kernels of a call of ``rows`` (>= 1) rows and width bound ``width`` (default:
+        the widest), a look-up in ``plan`` (None: the torch reference, off CUDA)."""
+        rows = checks.host_int("rows", rows, low=1, high=self.max_rows)
+        if self.plan is None:
             return None
-        return self.workspace.route(rows, width, self.layout.page_size)
+        width = self.plan.max_width if width is None else checks.host_int("width", width, low=0)
+        return self.plan.route(rows, width)
 
     # -------------------------------------------------------------------------- run
     def run(self, meta: IndexerDecodeMetadata, q_fp8: torch.Tensor, weights: torch.Tensor,
@@ -127,11 +150,24 @@ class IndexerStep:
             table = slots
         else:
             raise TypeError(f"slots: must be a bool or an int32 page table, got {type(slots).__name__}")
-        return kernels.indexer_topk(q_fp8, weights, k_cache, meta.block_table, meta.row_lens,
-                                    self.layout.topk, active_width=active, width=width,
-                                    workspace=self.workspace, out=out, page_table=table,
-                                    page_size=self.layout.page_size,
-                                    unmapped=None if table is None else self.unmapped)
+        unmapped = None if table is None else self.unmapped
+        if self.plan is None or meta.num_rows == 0:
+            return kernels.indexer_topk(q_fp8, weights, k_cache, meta.block_table, meta.row_lens,
+                                        self.layout.topk, active_width=active, width=width,
+                                        workspace=self.workspace, out=out, page_table=table,
+                                        page_size=self.layout.page_size, unmapped=unmapped)
+        from .kernels import ops
+
+        while True:
+            try:
+                return ops.indexer_topk(q_fp8, weights, k_cache, meta.block_table, meta.row_lens,
+                                        self.layout.topk, active_width=active, width=width,
+                                        workspace=self.workspace, out=out, page_table=table,
+                                        page_size=self.layout.page_size, unmapped=unmapped,
+                                        route=self.plan.route(meta.num_rows, width))
+            except CooperativeLaunchRefused:  # (the eager warm-up call): fewer fused programs an SM
+                self.workspace.fused_ctas_per_sm //= 2
+                self.plan = self._plan()
 
     def check_inputs(self, meta: IndexerDecodeMetadata, q_fp8: object, weights: object,
                      k_cache: object) -> None:
@@ -155,16 +191,26 @@ class IndexerStep:
         if page != lay.page_size:
             raise ValueError(f"k_cache: rows of {k_cache.shape[1]} bytes hold pages of {page} rows, "
                              f"the layout's page_size is {lay.page_size}")
+        if self.plan is not None and self._cuda_scorer and not ops_scorer_fits(q_fp8, k_cache, meta.block_table,
+                                                                               page):
+            raise ValueError("k_cache: the plan's CUDA scorer reads 16-byte aligned pages (a contiguous "
+                             f"[pages, {page * (lay.head_dim + 4)}] uint8 cache whose rows start 16 bytes "
+                             "apart); pass such a cache, or plan with KernelConfig(cuda=False)")
 
     def health(self) -> StepHealth:
-        """Stalled rows, refused counts and unmapped slots since the last call (reads device
-        memory: a host sync; call it outside the decode loop, e.g. after a benchmark or in a
-        test), then clears them."""
+        """Stalled rows and unmapped slots since the last call (reads device memory: a host sync;
+        call it outside the decode loop, e.g. after a benchmark or in a test), then clears them."""
         unmapped = int(self.unmapped.item())
         self.unmapped.zero_()
         if self.workspace is None:
-            return StepHealth(0, 0, unmapped)
-        stalled, refused = self.workspace.stalled_rows(), self.workspace.counts_refused()
+            return StepHealth(0, unmapped)
+        stalled = self.workspace.stalled_rows()
         self.workspace.clear_stalls()
-        self.workspace.clear_counts_refused()
-        return StepHealth(stalled, refused, unmapped)
+        return StepHealth(stalled, unmapped)
+
+
+def ops_scorer_fits(q_fp8, k_cache, block_table, page: int) -> bool:
+    """Whether the CUDA scorer is built for these tensors (``kernels.ops.scorer_fits``)."""
+    from .kernels.ops import scorer_fits
+
+    return scorer_fits(q_fp8, k_cache, block_table, page)

@@ -1,7 +1,7 @@
-"""Kernel dispatch: Triton on CUDA tensors, the torch reference elsewhere.
+"""Kernel dispatch: the device kernels (``ops``) on CUDA tensors, the torch reference elsewhere.
 
-Triton is imported on the first CUDA call only, so the package imports (and runs on the CPU)
-without it. Triton-only keywords (``workspace=``, ``out=``) are accepted on both routes; the
+Triton and cuda-bindings are imported on the first CUDA call only, so the package imports (and
+runs on the CPU) without them. Triton-only keywords (``workspace=``, ``out=``) are accepted on both routes; the
 reference ignores ``workspace`` and copies into ``out``, which must have the result's shape,
 dtype and device on both. ``unmapped`` (int32 ``[1]``): the counter that each selected position
 without a KV-cache slot adds one to (``reference.page_table_slots``).
@@ -14,14 +14,14 @@ import torch
 from . import reference
 
 
-def _triton():
-    from . import triton_ops
+def _device():
+    from . import ops
 
-    return triton_ops
+    return ops
 
 
-def _uses_triton(t: torch.Tensor) -> bool:
-    """Whether a call on `t` takes the Triton route (CUDA tensors; anything else meets the
+def _on_device(t: torch.Tensor) -> bool:
+    """Whether a call on `t` takes the device kernels (CUDA tensors; anything else meets the
     reference's checks)."""
     return isinstance(t, torch.Tensor) and t.is_cuda
 
@@ -48,8 +48,8 @@ def _finish(result: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
 def paged_indexer_logits(q_fp8, weights, k_cache, block_table, row_lens, width, *,
                          active_width=None, out=None):
     """See ``reference.paged_indexer_logits``."""
-    if _uses_triton(q_fp8):
-        return _triton().paged_indexer_logits(q_fp8, weights, k_cache, block_table, row_lens, width,
+    if _on_device(q_fp8):
+        return _device().paged_indexer_logits(q_fp8, weights, k_cache, block_table, row_lens, width,
                                               active_width=active_width, out=out)
     reference._check_scorer_inputs(q_fp8, weights, k_cache, block_table, row_lens, active_width)
     _check_out(out, (q_fp8.shape[0], reference.check_width(width)), torch.float32, q_fp8.device)
@@ -61,8 +61,8 @@ def paged_indexer_logits(q_fp8, weights, k_cache, block_table, row_lens, width, 
 def topk_indices(logits, row_lens, k, *, active_width=None, workspace=None, out=None, page_table=None,
                  page_size=None, unmapped=None):
     """See ``reference.topk_indices``."""
-    if _uses_triton(logits):
-        return _triton().topk_indices(logits, row_lens, k, active_width=active_width,
+    if _on_device(logits):
+        return _device().topk_indices(logits, row_lens, k, active_width=active_width,
                                       workspace=workspace, out=out, page_table=page_table,
                                       page_size=page_size, unmapped=unmapped)
     reference.check_topk_inputs(logits, row_lens, k, active_width)
@@ -74,7 +74,7 @@ def topk_indices(logits, row_lens, k, *, active_width=None, workspace=None, out=
 
 def page_table_slots(indices, page_table, page_size, *, unmapped=None):
     """See ``reference.page_table_slots`` (on CUDA: one Triton launch, then ``indices`` unchanged)."""
-    if _uses_triton(indices):
+    if _on_device(indices):
         bits = reference.check_slot_inputs(indices, page_table, page_size)
         counter = reference.check_unmapped(unmapped, indices.device)
         if counter is None and reference.device_checks_enabled():  # this call's count, to assert on
@@ -90,16 +90,16 @@ def page_table_slots(indices, page_table, page_size, *, unmapped=None):
 
 def write_index_k_cache(k_cache, k_fp8, k_scale, slot_mapping) -> None:
     """See ``reference.write_index_k_cache``."""
-    if _uses_triton(k_cache):
-        return _triton().write_index_k_cache(k_cache, k_fp8, k_scale, slot_mapping)
+    if _on_device(k_cache):
+        return _device().write_index_k_cache(k_cache, k_fp8, k_scale, slot_mapping)
     return reference.write_index_k_cache(k_cache, k_fp8, k_scale, slot_mapping)
 
 
 def indexer_topk(q_fp8, weights, k_cache, block_table, row_lens, k, *, active_width=None,
                  width=None, workspace=None, out=None, page_table=None, page_size=None, unmapped=None):
     """See ``reference.indexer_topk``."""
-    if _uses_triton(q_fp8):
-        return _triton().indexer_topk(q_fp8, weights, k_cache, block_table, row_lens, k,
+    if _on_device(q_fp8):
+        return _device().indexer_topk(q_fp8, weights, k_cache, block_table, row_lens, k,
                                       active_width=active_width, width=width,
                                       workspace=workspace, out=out, page_table=page_table,
                                       page_size=page_size, unmapped=unmapped)

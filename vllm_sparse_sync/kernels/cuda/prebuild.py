@@ -36,21 +36,14 @@ def parse_arch(text: str) -> tuple[int, int]:
 
 def builds_for(capability: tuple[int, int]) -> list[Build]:
     """The modules a device of ``capability`` compiles: the top-k for its arch (and from 9.0 its
-    slots and counts modules) and, on 9.0, both scorer builds (sm_90a) and their counts builds
-    (``topk.scorer_counts``)."""
+    slots module) and, on 9.0, the scorer (sm_90a)."""
     arch = f"sm_{capability[0]}{capability[1]}"
     out = [Build(f"CUDA top-k ({arch})", lambda env: cuda_topk.module_cubin(arch, environ=env))]
     if capability >= cuda_topk.CLUSTER_MIN_CAPABILITY:
-        for what, options in (("slots", cuda_topk.SLOTS_OPTIONS), ("counts", cuda_topk.COUNTS_OPTIONS)):
-            out.append(Build(f"CUDA top-k {what} ({arch})", lambda env, o=options: cuda_topk.module_cubin(
-                arch, extra_options=o, environ=env)))
+        out.append(Build(f"CUDA top-k slots ({arch})", lambda env: cuda_topk.module_cubin(
+            arch, extra_options=cuda_topk.SLOTS_OPTIONS, environ=env)))
     if capability == cuda_scorer.CAPABILITY:
-        for counts in (False, True):
-            for consumers in (cuda_scorer.CONSUMERS, cuda_scorer.NARROW_CONSUMERS):
-                defines = cuda_scorer.build_defines(consumers, counts)
-                label = f"CUDA scorer{' counts' if counts else ''}"
-                out.append(Build(f"{label} ({cuda_scorer.ARCH}, {consumers} consumer warpgroups)",
-                                 lambda env, d=defines: cuda_scorer.build_cubin(d, environ=env)))
+        out.append(Build(f"CUDA scorer ({cuda_scorer.ARCH})", lambda env: cuda_scorer.build_cubin(environ=env)))
     return out
 
 

@@ -14,7 +14,7 @@
 //             engine (cp.async.bulk, completion on the slot's full mbarrier), as far ahead as
 //             the ring allows; a slot is refilled once the four warps that read it have arrived
 //             on its empty mbarrier. The copies mark their L2 lines evict-first: a page is read
-//             once a step, and the logits the top-k reads next stay in L2 (benchmarks/NOTES.md,
+//             once a step, and the logits the top-k reads next stay in L2 (docs/performance.md,
 //             run 154). The producer fetches the page ids 32 tiles ahead and issues
 //             the first tiles before the CTA's one barrier. Past it no warp waits for the CTA.
 //   rings     a kernel holds STAGES slots (STAGES_SHORT or STAGES_DEEP); a program runs all of
@@ -45,8 +45,6 @@ typedef unsigned int u32;
 typedef unsigned long long u64;
 typedef long long i64;
 
-#include "keys.cuh"  // order_key, solo_bin: the counts build's bins are the top-k's
-
 #ifndef STAGES_DEEP
 #define STAGES_DEEP 24   // the deep ring (programs of at least deep_tiles live tiles)
 #endif
@@ -70,9 +68,6 @@ typedef long long i64;
 #ifndef RING_STRESS_NS
 #define RING_STRESS_NS 0  // tests only: > 0 sleeps producer lanes and consumers pseudo-randomly, up to
 #endif                    // this many ns a tile, so the ring runs under shuffled timings
-#ifndef SCORER_COUNTS
-#define SCORER_COUNTS 0  // 1: the counts build: each score written below n also counts into its row's
-#endif                   // solo_bin counts (the kernel's last two parameters), the top-k's pass A
 #ifndef ISSUE_LANES
 #define ISSUE_LANES CONSUMERS  // producer lanes issuing copies at once: one tile of each consumer
 #endif
@@ -311,14 +306,12 @@ __device__ __forceinline__ void mma_issue(float (&d)[H / 2], const u32 (&a)[16],
 }
 
 // relu, the head weights, the quad's sum, the token's scale; positions t * PAGE .. of out_row
-// below n written (-inf where !ok or past n_live), and with SCORER_COUNTS counted into
-// counts_row[solo_bin of its key] (nan_low 0: the NaN the top-k reads after this scorer is negative).
-// d[4i + 0/1]: row m0, heads 8i + 2c, 8i + 2c + 1; d[4i + 2/3]: row m0 + 8; w_reg[2i], w_reg[2i + 1]:
-// those heads' weights.
+// below n written (-inf where !ok or past n_live). d[4i + 0/1]: row m0, heads 8i + 2c, 8i + 2c + 1;
+// d[4i + 2/3]: row m0 + 8; w_reg[2i], w_reg[2i + 1]: those heads' weights.
 template <int H>
 __device__ __forceinline__ void store_scores(const float (&d)[H / 2], const float (&w_reg)[H / 4],
                                              float sc0, float sc1, int ok, float* __restrict__ out_row, int t,
-                                             int n, int n_live, int m0, int c, u32* __restrict__ counts_row) {
+                                             int n, int n_live, int m0, int c) {
     float s0 = 0.0f, s1 = 0.0f, t0 = 0.0f, t1 = 0.0f;  // two chains a row
 #pragma unroll
     for (int i = 0; i < H / 8; ++i) {  // heads 8i + 2c, 8i + 2c + 1 (the thread's columns)
@@ -339,10 +332,7 @@ __device__ __forceinline__ void store_scores(const float (&d)[H / 2], const floa
         float v = (c == 0 ? s0 : s1) * (c == 0 ? sc0 : sc1);
         if (v != v) v = __uint_as_float(__float_as_uint(v) | 0x80000000u);
         if (!ok || pos >= n_live) v = __uint_as_float(0xff800000u);  // -inf
-        if (pos < n) {
-            out_row[pos] = v;
-            if (SCORER_COUNTS) atomicAdd(counts_row + solo_bin(order_key(v, 0)), 1u);
-        }
+        if (pos < n) out_row[pos] = v;
     }
 }
 
@@ -359,7 +349,7 @@ __device__ __forceinline__ void score_row(
     const unsigned char* __restrict__ q, const float* __restrict__ w, const unsigned char* __restrict__ kc,
     const void* bt, int bt64, i64 bt_stride, const void* lens, int lens64, const void* active, int active64,
     float* __restrict__ out, i64 out_stride, int num_pages, i64 page_stride, int sel_width, int live_width,
-    int fill_width, int launch_dependents, int deep_tiles, u32* __restrict__ counts, i64 counts_stride) {
+    int fill_width, int launch_dependents, int deep_tiles) {
     constexpr int QBYTES = H * HEAD_DIM * (PRECISE ? 2 : 1);  // the B operand image
     constexpr int QGROUPS = H * (HEAD_DIM / 4);               // 4-byte query groups
     constexpr int QWORDS = (QGROUPS + THREADS - 1) / THREADS; // per thread
@@ -421,7 +411,6 @@ __device__ __forceinline__ void score_row(
     const int n_tiles = (n + PAGE - 1) / PAGE;
     const int my_tiles = split < n_tiles ? (n_tiles - split + splits - 1) / splits : 0;
     float* __restrict__ out_row = out + (i64)row * out_stride;
-    u32* __restrict__ counts_row = SCORER_COUNTS ? counts + (i64)row * counts_stride : nullptr;
     const bool fills = fill_width > n && (n / PAGE + split) * PAGE < fill_width;
     if (my_tiles == 0 && !fills) return;  // CTA-uniform: no barrier was reached
     // the program's ring (CTA-uniform): every slot for many live tiles, else the short ring's
@@ -514,8 +503,7 @@ __device__ __forceinline__ void score_row(
             mma_issue<H, PRECISE>(d, a, b, desc0);
             wgmma_wait();
             fence_operands(d);
-            store_scores<H>(d, w_reg, tr.sc0, tr.sc1, ok, out_row, split + it * splits, n, n_live, m0, c,
-                            counts_row);
+            store_scores<H>(d, w_reg, tr.sc0, tr.sc1, ok, out_row, split + it * splits, n, n_live, m0, c);
         }
     }
     if (fill_width > n) {  // the dense API: -inf from n to fill_width
@@ -528,24 +516,16 @@ __device__ __forceinline__ void score_row(
     }
 }
 
-// the counts build's two more parameters (SCORER_COUNTS), and what passes them on
-#if SCORER_COUNTS
-#define COUNTS_PARAMS , u32* __restrict__ counts, i64 counts_stride
-#define COUNTS_ARGS counts, counts_stride
-#else
-#define COUNTS_PARAMS
-#define COUNTS_ARGS nullptr, 0
-#endif
 #define SCORE_KERNEL(H, P, S)                                                                           \
     extern "C" __global__ void __launch_bounds__(THREADS, 1) score_h##H##_p##P##_s##S(                  \
         const unsigned char* __restrict__ q, const float* __restrict__ w,                               \
         const unsigned char* __restrict__ kc, const void* bt, int bt64, i64 bt_stride, const void* lens, \
         int lens64, const void* active, int active64, float* __restrict__ out, i64 out_stride,          \
         int num_pages, i64 page_stride, int sel_width, int live_width, int fill_width,                 \
-        int launch_dependents, int deep_tiles COUNTS_PARAMS) {                                          \
+        int launch_dependents, int deep_tiles) {                                                        \
         score_row<H, (P) != 0, S>(q, w, kc, bt, bt64, bt_stride, lens, lens64, active, active64, out,  \
                                   out_stride, num_pages, page_stride, sel_width, live_width, fill_width, \
-                                  launch_dependents, deep_tiles, COUNTS_ARGS);                          \
+                                  launch_dependents, deep_tiles);                                       \
     }
 #define SCORE_KERNELS(S) SCORE_KERNEL(64, 1, S) SCORE_KERNEL(64, 0, S) SCORE_KERNEL(32, 1, S) SCORE_KERNEL(32, 0, S)
 // the instantiations' names need the stage counts as literals

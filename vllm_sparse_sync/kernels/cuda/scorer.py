@@ -1,16 +1,13 @@
 """The CUDA paged scorer for sm_90 (``scorer.cu``, wgmma), compiled at run time by NVRTC.
 
-Same contract and grid as the Triton scorer (``triton_scorer.launch_score``): it scores what the
-reference ``paged_indexer_logits`` does, the exact path (``scorer.precise``: e4m3 -> f16, fp32
-sums) and the e4m3 tensor-core path alike. It takes calls the kernel is built for (``takes``:
+Same contract and grid as the Triton scorer (``triton.scorer.launch_score``): it scores what the
+reference ``paged_indexer_logits`` does, the exact path (``KernelConfig.precise``: e4m3 -> f16,
+fp32 sums) and the e4m3 tensor-core path alike. It takes calls the kernel is built for (``takes``:
 64-token pages, head dim 128, 32 or 64 heads, 16-byte aligned pages) on a device of compute
-capability 9.0 (the sm_90a code runs there only); ``kernels.scorer.launch_score`` sends the rest
-to Triton. Two builds of the one source: the default (``CONSUMERS`` consumer warpgroups a CTA)
-and the narrow one (``NARROW_CONSUMERS``) that calls of at most ``scorer.cuda_narrow_rows`` rows
-run (``consumers_for``: from the row count, never the width bound). Compiled on first use (the
-cubin kept on disk for later processes, ``nvrtc_cache``) and cached per device; launched on
-torch's current stream, so it is captured when the stream captures. Call ``warmup`` (or one
-eager call) before capturing.
+capability 9.0 (the sm_90a code runs there only); the planner sends the rest to Triton. Compiled
+on first use (the cubin kept on disk for later processes, ``nvrtc_cache``) and cached per device;
+launched on torch's current stream, so it is captured when the stream captures. Call ``warmup``
+(or one eager call) before capturing.
 """
 
 from __future__ import annotations
@@ -45,9 +42,6 @@ NEVER_DEEP = 2**31 - 1
 """the kernel's ``deep_tiles`` where no program is to run the deep ring"""
 CONSUMERS = 4
 """consumer warpgroups per CTA (the source's ``CONSUMERS``), each scoring every CONSUMERS-th tile"""
-NARROW_CONSUMERS = 2
-"""consumer warpgroups of the narrow build, which calls of at most ``scorer.cuda_narrow_rows`` rows
-run: a CTA of fewer warps starts sooner where a program has few tiles"""
 
 
 def threads_for(consumers: int) -> int:
@@ -60,30 +54,13 @@ THREADS = threads_for(CONSUMERS)
 """the default build's threads"""
 CTAS_PER_SM = 1
 """CTAs one SM holds (registers: 544 threads of 91 each take more than half of them; the deep
-ring's shared memory, nearly all); ``scorer.cuda_ctas_per_sm`` sizes the grid"""
+ring's shared memory, nearly all); ``planner.CUDA_SCORER_CTAS_PER_SM`` sizes the grid"""
 SLOT_BYTES = PAGE * (HEAD_DIM + 4)
 
 
 def source() -> str:
-    """``scorer.cu`` with its headers in place (``cuda_topk.resolve_includes``)."""
-    return cuda_topk.resolve_includes(SOURCE_PATH.read_text())
-
-
-def consumers_for(rows: int, narrow_rows: int) -> int:
-    """Consumer warpgroups of the build a call of ``rows`` rows runs (``narrow_rows``:
-    ``scorer.cuda_narrow_rows``); the row count is host metadata, the width bound plays no part."""
-    return NARROW_CONSUMERS if 0 < rows <= narrow_rows else CONSUMERS
-
-
-def build_defines(consumers: int, counts: bool = False) -> tuple[tuple[str, int], ...]:
-    """The macros of the build with ``consumers`` consumer warpgroups (none for the default);
-    ``counts``: the counts build, which also counts each row's scores into the top-k's pass-A bins
-    (``SCORER_COUNTS``; ``topk.scorer_counts``)."""
-    if consumers not in (CONSUMERS, NARROW_CONSUMERS):
-        raise ValueError(f"cuda scorer: consumers must be {CONSUMERS} or {NARROW_CONSUMERS}, "
-                         f"got {consumers!r}")
-    narrow = () if consumers == CONSUMERS else (("CONSUMERS", consumers),)
-    return narrow + ((("SCORER_COUNTS", 1),) if counts else ())
+    """The kernel source, ``scorer.cu``."""
+    return SOURCE_PATH.read_text()
 
 
 def kernel_name(heads: int, precise: bool, stages: int = STAGES_SHORT) -> str:
@@ -201,45 +178,36 @@ def module_for(index: int, defines: tuple[tuple[str, int], ...] = ()) -> _Module
 
 
 def warmup(device: torch.device | str = "cuda") -> None:
-    """Compile, load and fetch every kernel of both builds outside capture."""
-    for consumers in (CONSUMERS, NARROW_CONSUMERS):
-        mod = module_for(_index(torch.device(device)), build_defines(consumers))
-        for heads in HEADS:
-            for precise in (True, False):
-                for stages in (STAGES_DEEP, STAGES_SHORT):
-                    mod.function(heads, precise, stages)
+    """Compile, load and fetch every kernel outside capture."""
+    mod = module_for(_index(torch.device(device)))
+    for heads in HEADS:
+        for precise in (True, False):
+            for stages in (STAGES_DEEP, STAGES_SHORT):
+                mod.function(heads, precise, stages)
 
 
 def launch_cuda_score(
     q_fp8, weights, k_cache, block_table, row_lens, active, out, *, page_size, sel_width, fill_width,
-    splits, config, module: _Module | None = None, counts: torch.Tensor | None = None,
+    splits, precise: bool = True, pdl: bool = True, module: _Module | None = None,
 ) -> None:
-    """The scorer's launch (``config``: a ``ScorerConfig``) on a call ``takes`` accepts; arguments
-    as ``triton_scorer.launch_score`` (``module``: a ``module_for`` build; default the device's
-    build for the call's row count, ``consumers_for``). ``counts`` (``cuda_topk.check_counts``,
-    zero where the call begins): the counts build also adds each written score of row ``r`` into
-    ``counts[r]`` at its pass-A bin, for the one-CTA top-k that reads them next."""
+    """The scorer's launch on a call ``takes`` accepts; arguments as ``triton.scorer.launch_score``
+    (``precise``: exact or e4m3 scores; ``pdl``: a programmatic dependent launch that also lets the
+    next kernel launch early; ``module``: a ``module_for`` build, default the device's)."""
     rows, heads, _ = q_fp8.shape
-    if counts is not None:
-        cuda_topk.check_counts(counts, rows, q_fp8.device)
-    mod = module if module is not None else module_for(
-        _index(q_fp8.device), build_defines(consumers_for(rows, config.cuda_narrow_rows), counts is not None))
+    mod = module if module is not None else module_for(_index(q_fp8.device))
     stages, deep_tiles = ring()
-    fn = mod.function(heads, config.precise, stages)
+    fn = mod.function(heads, precise, stages)
     values = score_values(q_fp8, weights, k_cache, block_table, row_lens, active, out, page_size=page_size,
-                          sel_width=sel_width, fill_width=fill_width, config=config, deep_tiles=deep_tiles,
-                          counts=counts)
-    smem = smem_bytes(heads, config.precise, stages)
-    cuda_topk.launch_values(mod, fn, (rows, splits, 1), mod.threads, smem, values, q_fp8.device,
-                            pdl=config.pdl)
+                          sel_width=sel_width, fill_width=fill_width, launch_dependents=pdl,
+                          deep_tiles=deep_tiles)
+    smem = smem_bytes(heads, precise, stages)
+    cuda_topk.launch_values(mod, fn, (rows, splits, 1), mod.threads, smem, values, q_fp8.device, pdl=pdl)
 
 
 def score_values(q_fp8, weights, k_cache, block_table, row_lens, active, out, *, page_size, sel_width,
-                 fill_width, config, deep_tiles: int = NEVER_DEEP,
-                 counts: torch.Tensor | None = None) -> tuple:
+                 fill_width, launch_dependents: bool = True, deep_tiles: int = NEVER_DEEP) -> tuple:
     """The kernel's parameters (ctypes values) for a call ``takes`` accepts (``deep_tiles``: live
-    tiles from which a program of the deep-ring kernel runs all its slots; ``counts``: the counts
-    build's two more, the counts' pointer and row stride)."""
+    tiles from which a program of the deep-ring kernel runs all its slots)."""
     for name, t in (("row_lens", row_lens), ("active_width", active)):
         if t is not None and t.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"cuda scorer: {name} must be int32 or int64, got {t.dtype}")
@@ -261,6 +229,6 @@ def score_values(q_fp8, weights, k_cache, block_table, row_lens, active, out, *,
         ctypes.c_int(sel_width),
         ctypes.c_int(block_table.shape[1] * page_size),
         ctypes.c_int(fill_width),
-        ctypes.c_int(int(config.launch_dependents)),
+        ctypes.c_int(int(launch_dependents)),
         ctypes.c_int(deep_tiles),
-    ) + (() if counts is None else (ctypes.c_void_p(counts.data_ptr()), ctypes.c_longlong(counts.stride(0))))
+    )

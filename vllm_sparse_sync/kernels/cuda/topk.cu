@@ -30,13 +30,13 @@ typedef long long i64;
 #ifndef TOPK_SLOTS_MODULE
 #define TOPK_SLOTS_MODULE 0  // 1: the module of the cluster kernels' slots entries (kernels/cuda/topk.py)
 #endif
-#ifndef TOPK_COUNTS_MODULE
-#define TOPK_COUNTS_MODULE 0  // 1: the module of the one-CTA entries that take the scorer's counts
-#endif
-#define COUNTS_BINS 4096  // cuda_topk.COUNTS_BINS: a row's counts (solo_bin's bins), then its refusals
-                         // counter and three unused words (cuda_topk.COUNTS_WORDS)
 
-#include "keys.cuh"  // order_key, solo_bin, solo_bin_keys, SOLO_EXP_LO
+__device__ __forceinline__ u32 order_key(float x, int nan_low) {
+    u32 b = __float_as_uint(x);
+    u32 u = (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+    if (nan_low && (b & 0x7fffffffu) > 0x7f800000u) u = 0u;  // NaN (bit test: no float compare)
+    return u;
+}
 
 // min(row_len, sel_width, active[0]), at least 0. The second read is unconditional (without an
 // active width it reads the row's length again, which clamps nothing), so both are in flight
@@ -127,41 +127,6 @@ __device__ __forceinline__ u32 warps_excl_scan(u32 warp_total, u32* s_warp, u32&
     return s_warp[warp];
 }
 
-// find_bin's totals where each thread holds its bins' counts h[0..7]: their sum `local`, its warp's
-// `wsum` (into s_warp), and, after one barrier of THREADS (BAR), lane l's `t`: warp l's total
-#define HELD_TOTALS(h)                                                                             \
-    const u32 local = ((h[0] + h[1]) + (h[2] + h[3])) + ((h[4] + h[5]) + (h[6] + h[7]));           \
-    const u32 wsum = warp_sum(local);                                                              \
-    __syncwarp(); /* every lane of this warp has read s_warp in an earlier call */                 \
-    if (lane == 0) s_warp[warp] = wsum;                                                            \
-    block_bar<THREADS, BAR>();                                                                     \
-    const u32 t = lane < WARPS ? s_warp[lane] : 0u;
-
-// find_bin's last step where each thread holds its bins' counts h[i] (bin hi - i; `local` their
-// sum, `wsum` its warp's, `t` lane l's: warp l's total, read after the barrier that published
-// them): the warp that holds the need-th key scans its lanes, and the lane that holds it writes
-// s_res as find_bin does. No barrier. (A macro: as an inline function it changed the code of the
-// positions entries around it, benchmarks/NOTES.md session 37)
-#define HELD_BIN(h, local, wsum, t, hi, need, s_res)                                                \
-    {                                                                                             \
-        const u32 base = warp_sum(lane < warp ? t : 0u); /* the warps above this one */           \
-        if (base < need && base + wsum >= need) { /* warp-uniform: this warp holds the need-th */ \
-            const u32 excl = base + warp_incl_scan(local, lane) - local;                           \
-            if (excl < need && excl + local >= need) {                                            \
-                u32 cum = excl;                                                                   \
-                _Pragma("unroll") for (int i = 0; i < 8; ++i) {                                   \
-                    if (cum + h[i] >= need) {                                                     \
-                        s_res[0] = (u32)(hi - i);                                                 \
-                        s_res[1] = need - cum;                                                    \
-                        s_res[2] = h[i];                                                          \
-                        break;                                                                    \
-                    }                                                                             \
-                    cum += h[i];                                                                  \
-                }                                                                                 \
-            }                                                                                     \
-        }                                                                                         \
-    }
-
 // The bin of an nbins histogram (counted from the top bin down) holding the need-th largest key:
 // s_res = {bin, need left inside the bin, the bin's count}. Requires total >= need >= 1 and
 // nbins a power of two (any, against THREADS). Two barriers (every warp scans the warps' totals
@@ -182,8 +147,29 @@ __device__ __forceinline__ void find_bin(const u32* hist, int nbins, u32 need, u
             const uint4 q1 = *reinterpret_cast<const uint4*>(hist + hi - 7);
             h[4] = q1.w, h[5] = q1.z, h[6] = q1.y, h[7] = q1.x;
         }
-        HELD_TOTALS(h)
-        HELD_BIN(h, local, wsum, t, hi, need, s_res)
+        const u32 local = ((h[0] + h[1]) + (h[2] + h[3])) + ((h[4] + h[5]) + (h[6] + h[7]));
+        const u32 wsum = warp_sum(local);
+        __syncwarp();  // every lane of this warp has read s_warp in an earlier call
+        if (lane == 0) s_warp[warp] = wsum;
+        block_bar<THREADS, BAR>();
+        const u32 t = lane < WARPS ? s_warp[lane] : 0u;
+        const u32 base = warp_sum(lane < warp ? t : 0u);  // the warps above this one
+        if (base < need && base + wsum >= need) {  // warp-uniform: this warp holds the need-th
+            const u32 excl = base + warp_incl_scan(local, lane) - local;
+            if (excl < need && excl + local >= need) {
+                u32 cum = excl;
+#pragma unroll
+                for (int i = 0; i < 8; ++i) {
+                    if (cum + h[i] >= need) {
+                        s_res[0] = (u32)(hi - i);
+                        s_res[1] = need - cum;
+                        s_res[2] = h[i];
+                        break;
+                    }
+                    cum += h[i];
+                }
+            }
+        }
         block_bar<THREADS, BAR>();
         return;
     }
@@ -217,41 +203,6 @@ __device__ __forceinline__ void find_bin(const u32* hist, int nbins, u32 need, u
         }
     }
     block_bar<THREADS, BAR>();
-}
-
-// A row's pass-A counts as the scorer wrote them (COUNTS_BINS of them): thread tid's 4 or 8 bins
-// from the top, COUNTS_BINS - 4 - PER * tid .. + PER - 1, in two quads (`cq[1]` the lower; zero
-// where PER is 4), read once the kernel before has completed and zeroed at once for the next step
-// (this thread's own words: its store follows its read)
-template <int THREADS>
-__device__ __forceinline__ void take_counts(u32* __restrict__ row, uint4 (&cq)[2]) {
-    constexpr int PER = COUNTS_BINS / THREADS;
-    static_assert(PER == 4 || PER == 8, "4 or 8 bins a thread");
-    uint4* q = reinterpret_cast<uint4*>(row + COUNTS_BINS - 4 - PER * (int)threadIdx.x);
-    cq[0] = __ldcg(q);
-    cq[1] = PER == 8 ? __ldcg(q - 1) : make_uint4(0u, 0u, 0u, 0u);
-    __stcg(q, make_uint4(0u, 0u, 0u, 0u));
-    if (PER == 8) __stcg(q - 1, make_uint4(0u, 0u, 0u, 0u));
-}
-
-// find_bin over the counts take_counts read (every thread of the CTA): taken only where they sum to
-// n, the row's live length (a count left over from a launch that did not finish, or one of a row
-// the scorer did not count, makes the sum differ: counts only grow); then s_res is written as
-// find_bin writes it and the result is true. Otherwise false, s_res untouched, and the row counts
-// itself. Block-uniform; one barrier, a second where the counts are taken (s_warp as find_bin's).
-template <int THREADS>
-__device__ __forceinline__ bool find_bin_counts(const uint4 (&cq)[2], u32 need, u32 n, u32* s_warp, u32* s_res) {
-    constexpr int WARPS = THREADS / 32, BAR = 0;
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int hi = COUNTS_BINS - 1 - tid * (COUNTS_BINS / THREADS);  // bins hi, hi-1, ..., hi-PER+1
-    u32 h[8];  // h[i]: bin hi - i
-    h[0] = cq[0].w, h[1] = cq[0].z, h[2] = cq[0].y, h[3] = cq[0].x;
-    h[4] = cq[1].w, h[5] = cq[1].z, h[6] = cq[1].y, h[7] = cq[1].x;
-    HELD_TOTALS(h)
-    if (warp_sum(t) != n) return false;  // block-uniform; the caller's next barrier precedes s_warp's reuse
-    HELD_BIN(h, local, wsum, t, hi, need, s_res)
-    block_bar<THREADS, BAR>();
-    return true;
 }
 
 template <int THREADS, int VEC, bool ALIGNED>
@@ -436,7 +387,7 @@ __device__ __forceinline__ void topk_row(const float* __restrict__ logits, i64 s
                                  out, stride_o, nan_low, cap);                                    \
     }
 
-#if !TOPK_SLOTS_MODULE && !TOPK_COUNTS_MODULE  // (the other modules: their cluster entries only)
+#if !TOPK_SLOTS_MODULE  // (the slots module: the cluster kernels' slots entries only)
 TOPK_KERNEL(1024, 4, 1)
 TOPK_KERNEL(1024, 4, 0)
 TOPK_KERNEL(1024, 2, 1)
@@ -583,7 +534,7 @@ __device__ __forceinline__ void dcp_merge_row(const i64* __restrict__ keys, i64 
                          stride_o);                                                                \
     }
 
-#if !TOPK_SLOTS_MODULE && !TOPK_COUNTS_MODULE
+#if !TOPK_SLOTS_MODULE
 DCP_MERGE_KERNEL(1)
 DCP_MERGE_KERNEL(2)
 DCP_MERGE_KERNEL(4)
@@ -633,21 +584,13 @@ DCP_MERGE_KERNEL(16)
 //            (reference.page_table_slots). Padding stays -1; each selected position written as
 //            -1 adds one to the launch's `unmapped` counter (when given: the entries' last
 //            parameter).
-//   counts   the counts entries (`_counts`, the counts module: TOPK_COUNTS_MODULE; one CTA a row,
-//            positions) take `counts`, each row's COUNTS_BINS solo_bin counts as the CUDA scorer's
-//            counts build wrote them for these scores (kernels/cuda/scorer.cu, SCORER_COUNTS): a
-//            row in registers takes them as its pass A where they sum to n (find_bin_counts; left
-//            over counts make the sum differ) and its keys agree with the bin they name (as many
-//            above it and in it; else the row's refusals word, after its counts, counts one);
-//            otherwise the row counts itself. Every row's counts are zero when the launch ends
-//            (the next step's scorer adds into zeros); the refusals are the host's to clear.
 //
 // Dynamic shared memory (words): the local counts of the three passes hist[2048], hist1[2048],
 // hist2[1024] (all cleared at the start; one CTA: hist[4096], hist1[2048], hist2[2048], and a
 // third refine pass reuses hist); for C > 1 the targets glob0[2048], glob1[2048],
 // glob2[1024]; then the keys: cap of them, cap a multiple of 4, with RANGE_PAD words after each
-// thread's range (cap + RANGE_PAD * THREADS words). Nothing global beyond the output (and the
-// counts entries' counts, which a launch leaves zero): a launch replays in a CUDA graph as is.
+// thread's range (cap + RANGE_PAD * THREADS words). Nothing global beyond the output: a launch
+// replays in a CUDA graph as is.
 // ---------------------------------------------------------------------------------------------
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
 
@@ -848,11 +791,33 @@ __device__ __forceinline__ void block_excl_scan2(u32& a, u32& b, u32* s_scan, u3
 #define SOLO_MAX 16384  // cuda_topk_emu.SOLO_MAX
 #define TIE_MAX 32  // cuda_topk_emu.TIE_MAX
 #define SOLO_TIE_MAX 128  // cuda_topk_emu.SOLO_TIE_MAX
+#define SOLO_EXP_LO 113  // cuda_topk_emu.SOLO_EXP_LO
 #define SOLO_WORDS (4096 + 2 * 2048)  // a one-CTA row's counts: hist[4096], hist1[2048], hist2[2048]
 #define CLUSTER_UNROLL 4  // 16-byte loads in flight per thread in the first sweep
 #ifndef SHORT_ACT
 #define SHORT_ACT 512  // the threads that run a row of at most 4 * CLUSTER_UNROLL * SHORT_ACT keys
 #endif
+
+// The one-CTA pass-A bin of key u (cuda_topk_emu.solo_bin): 2048 bins per sign, 64 per binary
+// octave of |x| from 2^(SOLO_EXP_LO - 127) to 2^(SOLO_EXP_LO - 95); each sign's first and last
+// bins also hold the magnitudes below and above. Non-decreasing in u; a bin is an interval of keys.
+__device__ __forceinline__ u32 solo_bin(u32 u) {
+    const int s = (int)(u >> 17);
+    const bool pos = s >= 0x4000;
+    int j = s - (pos ? 0x4000 + SOLO_EXP_LO * 64 : 0x3800 - SOLO_EXP_LO * 64);
+    j = j < 0 ? 0 : (j > 2047 ? 2047 : j);
+    return (u32)j + (pos ? 2048u : 0u);
+}
+
+// the keys [lo, hi] of solo_bin's bin b (cuda_topk_emu.solo_bin_keys)
+__device__ __forceinline__ void solo_bin_keys(u32 b, u32& lo, u32& hi) {
+    const bool pos = b >= 2048u;
+    const u32 j = b & 2047u, base = pos ? 0x4000u + SOLO_EXP_LO * 64 : 0x3800u - SOLO_EXP_LO * 64;
+    const u32 s_lo = j == 0u ? (pos ? 0x4000u : 0u) : base + j;
+    const u32 s_hi = j == 2047u ? (pos ? 0x7fffu : 0x3fffu) : base + j;
+    lo = s_lo << 17;
+    hi = (s_hi << 17) | 0x1ffffu;
+}
 
 // the old value of the shared word `p` of CTA `rank` after adding v to it
 __device__ __forceinline__ u32 cl_atomic_add(const u32* p, u32 rank, u32 v) {
@@ -1208,7 +1173,7 @@ __device__ __forceinline__ u32 reg_field(const u32 (&v)[W], int j) {
 // totals; one barrier (BAR). Each field's prefix and total stay below 2^16. s_scan holds
 // W * ACT / 32 words. Every word is scanned, dead groups' zeros too: the warp collectives
 // under a block-uniform branch on the live words came out wrong from ptxas's optimizer (right
-// at -O0) once the live length reached the body through a select (benchmarks/NOTES.md, runs 158-163)
+// at -O0) once the live length reached the body through a select (docs/performance.md, runs 158-163)
 template <int ACT, int BAR, int W>
 __device__ __forceinline__ void reg_packed_scan(const u32 (&v)[W], u32 (&excl)[W], u32 (&total)[W],
                                                 u32* s_scan) {
@@ -1249,8 +1214,7 @@ __device__ __forceinline__ void reg_packed_scan(const u32 (&v)[W], u32 (&excl)[W
 template <int C, int THREADS, int ACT, int BAR, bool ALIGNED, bool SLOTS>
 __device__ __forceinline__ void topk_reg_body(const float* __restrict__ x, int n, int lo, int len, int k,
                                               int* __restrict__ o, int nan_low, u32 rank,
-                                              const FirstKeys& first, u32* spare, BodyScratch& sc,
-                                              bool taken = false, u32* refused = nullptr) {
+                                              const FirstKeys& first, u32* spare, BodyScratch& sc) {
     constexpr bool multi = C > 1;
     constexpr int J = CLUSTER_UNROLL, TIE = multi ? TIE_MAX : SOLO_TIE_MAX, WARPS = ACT / 32, G = ACT / TIE;
     constexpr int W = J / 2, BINS_A = multi ? 2048 : 4096;
@@ -1311,39 +1275,19 @@ __device__ __forceinline__ void topk_reg_body(const float* __restrict__ x, int n
     }
 // the slots of this thread in MASK
 #define FOR_SLOTS(MASK, BODY) FOR_GROUP_SLOTS(if (((MASK) >> i) & 1u) { BODY })
-    // taken (one CTA, the counts entries): pass A's bin is in sc.res already, from the scorer's
-    // counts (find_bin_counts), and is kept only if the keys agree: as many above the bin as the
-    // counts say (k - need) and as many in it (cnt) make it the bin the row's own count finds, with
-    // the same need and count. Otherwise `refused` (the row's counter, for the host) counts them and
-    // the row counts itself. One barrier; block-uniform
-    if (taken) {
-        u32 blo, bhi;
-        solo_bin_keys(sc.res[0], blo, bhi);
-        u32 mine = 0u;  // keys above the bin (high half), in it (low half): at most 16K each
-        FOR_SLOTS(live, mine += key[i] > bhi ? 0x10000u : (key[i] >= blo ? 1u : 0u);)
-        const u32 wsum = warp_sum(mine);
-        __syncwarp();  // every lane of this warp has read sc.warp in find_bin_counts
-        if ((tid & 31) == 0) sc.warp[tid >> 5] = wsum;
-        block_bar<ACT, BAR>();
-        const u32 all = warp_sum((tid & 31) < WARPS ? sc.warp[tid & 31] : 0u);
-        taken = all >> 16 == (u32)k - sc.res[1] && (all & 0xffffu) == sc.res[2];
-        if (!taken && tid == 0) atomicAdd(refused, 1u);
-    }
-    if (!taken) {
-        // pass A without a branch per key: a dead slot of the live groups counts into bin 0, and
-        // thread 0 takes those counts back
-        FOR_GROUP_SLOTS(const u32 b = multi ? key[i] >> 21 : solo_bin(key[i]);
-                        atomicAdd(&hist[((live >> i) & 1u) ? b : 0u], 1u);)
-        if (tid == 0 && jn * 4 * ACT > len) atomicSub(&hist[0], (u32)(jn * 4 * ACT - len));
-        block_bar<ACT, BAR>();
-    }
+    // pass A without a branch per key: a dead slot of the live groups counts into bin 0, and
+    // thread 0 takes those counts back
+    FOR_GROUP_SLOTS(const u32 b = multi ? key[i] >> 21 : solo_bin(key[i]);
+                    atomicAdd(&hist[((live >> i) & 1u) ? b : 0u], 1u);)
+    if (tid == 0 && jn * 4 * ACT > len) atomicSub(&hist[0], (u32)(jn * 4 * ACT - len));
+    block_bar<ACT, BAR>();
     const u32* totals = hist;
     if (multi) {
         cl_wait();
         cl_push_hist<C, THREADS>(hist, glob0, BINS_A);  // (few bins: cheaper than cl_find_bin)
         totals = glob0;
     }
-    if (!taken) find_bin<ACT, BAR>(totals, BINS_A, (u32)k, sc.warp, sc.res);
+    find_bin<ACT, BAR>(totals, BINS_A, (u32)k, sc.warp, sc.res);
     u32 klo, khi;
     if (multi) {
         klo = sc.res[0] << 21;
@@ -1538,7 +1482,7 @@ __device__ __forceinline__ void topk_reg_body(const float* __restrict__ x, int n
 // run it only for chunks longer than the registers hold (rows past 128K or 256K keys), and the
 // register body every shorter row runs measured faster without it inline: the top-k alone by
 // 0.1-0.3 us, the step by 0.8-1.9 us at 1-8 rows of 64K-128K, mostly in the listed-bin phase
-// (benchmarks/NOTES.md, runs 147, 149 and 153). Inline stays for 2 and 4 CTAs, whose 64K-128K
+// (docs/performance.md, runs 147, 149 and 153). Inline stays for 2 and 4 CTAs, whose 64K-128K
 // rows run this body
 template <int C, int THREADS, bool ALIGNED, bool SLOTS>
 __device__ __noinline__ void split_smem_row(const float* __restrict__ x, int n, int k, int* __restrict__ o,
@@ -1579,21 +1523,14 @@ __device__ __forceinline__ void clear_quads(u32* smem, int tid) {
     }
 }
 
-// COUNTS (one CTA a row): `counts` holds each row's pass-A counts (COUNTS_BINS of solo_bin a row,
-// `counts_stride` words apart) as the scorer before this kernel wrote them: every thread reads and
-// zeroes its share beside its first keys (take_counts), and a row in registers takes them where
-// they are whole (find_bin_counts) and its keys agree (topk_reg_body; the word after a row's
-// counts counts its refusals)
-template <int C, int THREADS, bool ALIGNED, bool SLOTS, bool COUNTS = false>
+template <int C, int THREADS, bool ALIGNED, bool SLOTS>
 __device__ __forceinline__ void topk_cluster_row(const float* __restrict__ logits, i64 stride_r,
                                                  const void* lens, int lens64, const void* active,
                                                  int active64, int sel_width, int k,
                                                  int* __restrict__ out, i64 stride_o, int nan_low,
                                                  int cap, int lens_early, const int* page_table,
                                                  i64 page_stride, int page_bits, int pages,
-                                                 u32* counts = nullptr, i64 counts_stride = 0,
                                                  u32* unmapped = nullptr) {
-    static_assert(!COUNTS || (C == 1 && !SLOTS), "counts: the one-CTA positions entries");
     extern __shared__ __align__(16) u32 smem[];
     const int row = blockIdx.y;
     const u32 rank = (C == 1) ? 0u : cl_rank();
@@ -1603,7 +1540,7 @@ __device__ __forceinline__ void topk_cluster_row(const float* __restrict__ logit
 
     // shared memory only: may overlap the previous kernel (programmatic dependent launch). A
     // one-CTA 512-thread launch clears after issuing its first loads instead: its four stores a
-    // thread would queue ahead of them (benchmarks/NOTES.md, runs 138-142)
+    // thread would queue ahead of them (docs/performance.md, runs 138-142)
     constexpr int words = C == 1 ? SOLO_WORDS : 2 * PASS_WORDS;  // hist.., glob..
     constexpr int quads = words / 4;
     constexpr bool clear_late = C == 1 && THREADS == 512;
@@ -1630,8 +1567,6 @@ __device__ __forceinline__ void topk_cluster_row(const float* __restrict__ logit
             first.q[u] = p < spec ? chunk_bits4<ALIGNED>(x, p, spec) : make_uint4(0u, 0u, 0u, 0u);
         }
     }
-    uint4 cq[2];  // COUNTS: this thread's share of the row's counts, read (and zeroed) beside its keys
-    if constexpr (COUNTS) take_counts<THREADS>(counts + (i64)row * counts_stride, cq);
     const int n = lens_early ? n_early : live_length(lens, lens64, active, active64, row, sel_width);
     if (clear_late) clear_quads<quads, THREADS>(smem, tid);  // (the body's first barrier follows)
     const int* page_row = SLOTS ? page_table + (i64)row * page_stride : nullptr;
@@ -1655,19 +1590,16 @@ __device__ __forceinline__ void topk_cluster_row(const float* __restrict__ logit
         u32* spare = smem + (C == 1 ? SOLO_WORDS : 2 * PASS_WORDS);  // the keys' words
         constexpr int ACT = SHORT_ACT < THREADS ? SHORT_ACT : THREADS;
         if (rank == 0u) {
-            bool taken = false;  // (COUNTS: by every thread, before those a short row leaves go)
-            if constexpr (COUNTS) taken = find_bin_counts<THREADS>(cq, (u32)k, (u32)n, sc.warp, sc.res);
-            u32* refused = COUNTS ? counts + (i64)row * counts_stride + COUNTS_BINS : nullptr;
             if (ACT < THREADS && n <= 4 * CLUSTER_UNROLL * ACT)
                 topk_reg_body<1, THREADS, ACT, (ACT < THREADS ? 1 : 0), ALIGNED, SLOTS>(x, n, 0, n, k, o, nan_low, 0u,
-                                                                                     first, spare, sc, taken, refused);
+                                                                                     first, spare, sc);
             else
                 topk_reg_body<1, THREADS, THREADS, 0, ALIGNED, SLOTS>(x, n, 0, n, k, o, nan_low, 0u, first, spare,
-                                                                      sc, taken, refused);
+                                                                      sc);
         }
         return;
     }
-    if (C == 1) {  // (COUNTS: a row past the registers counts itself)
+    if (C == 1) {
         topk_cluster_body<1, THREADS, ALIGNED, true, SLOTS>(x, n, k, o, nan_low, cap, 0u, first, sc);
         return;
     }
@@ -1688,7 +1620,7 @@ __device__ __forceinline__ void topk_cluster_row(const float* __restrict__ logit
 }
 
 // one CTA a row launches plainly, without a cluster attribute (measured as fast or faster at
-// every one-CTA shape: benchmarks/NOTES.md, runs 140-142)
+// every one-CTA shape: docs/performance.md, runs 140-142)
 #define CLUSTER_ATTR_1
 #define CLUSTER_ATTR_2 __cluster_dims__(2, 1, 1)
 #define CLUSTER_ATTR_4 __cluster_dims__(4, 1, 1)
@@ -1723,7 +1655,7 @@ __device__ __forceinline__ void topk_cluster_row(const float* __restrict__ logit
         topk_cluster_row<C, T, (A) != 0, true>(logits, stride_r, lens, lens64, active, active64,   \
                                                sel_width, k, out, stride_o, nan_low, cap,          \
                                                lens_early, page_table, page_stride, page_bits,     \
-                                               pages, nullptr, 0, unmapped);                       \
+                                               pages, unmapped);                       \
     }
 // the library's module holds the positions entries; the slots module (compiled with
 // TOPK_SLOTS_MODULE=1, on a page table's first use) the slots entries, so that a launch without
@@ -1733,27 +1665,6 @@ __device__ __forceinline__ void topk_cluster_row(const float* __restrict__ logit
 #else
 #define TOPK_CLUSTER_KERNEL(C, T, A) TOPK_CLUSTER_ENTRY(C, T, A, , false)
 #endif
-// the counts module (TOPK_COUNTS_MODULE=1, on the first step that asks for topk.scorer_counts): one
-// CTA a row, positions, pass A's counts from the scorer (the entry's last two parameters)
-#define TOPK_COUNTS_ENTRY(T, A)                                                                    \
-    extern "C" __global__ void __launch_bounds__(T, 1024 / (T)) topk_cluster_c1_t##T##_a##A##_counts( \
-        const float* __restrict__ logits, i64 stride_r, const void* lens, int lens64,              \
-        const void* active, int active64, int sel_width, int k, int* __restrict__ out,             \
-        i64 stride_o, int nan_low, int cap, int lens_early, const int* page_table,                 \
-        i64 page_stride, int page_bits, int pages, u32* counts, i64 counts_stride) {               \
-        topk_cluster_row<1, T, (A) != 0, false, true>(logits, stride_r, lens, lens64, active,     \
-                                                       active64, sel_width, k, out, stride_o,      \
-                                                       nan_low, cap, lens_early, page_table,       \
-                                                       page_stride, page_bits, pages, counts,      \
-                                                       counts_stride);                             \
-    }
-
-#if TOPK_COUNTS_MODULE
-TOPK_COUNTS_ENTRY(1024, 1)
-TOPK_COUNTS_ENTRY(1024, 0)
-TOPK_COUNTS_ENTRY(512, 1)
-TOPK_COUNTS_ENTRY(512, 0)
-#else
 
 TOPK_CLUSTER_KERNEL(1, 1024, 1)
 TOPK_CLUSTER_KERNEL(1, 1024, 0)
@@ -1775,6 +1686,5 @@ TOPK_CLUSTER_KERNEL(8, 512, 1)
 TOPK_CLUSTER_KERNEL(8, 512, 0)
 TOPK_CLUSTER_KERNEL(16, 512, 1)
 TOPK_CLUSTER_KERNEL(16, 512, 0)
-#endif  // TOPK_COUNTS_MODULE
 
 #endif  // sm_90+

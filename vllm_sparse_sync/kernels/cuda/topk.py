@@ -33,8 +33,6 @@ import torch
 from ..reference import MAX_PAGE_BITS, check_page_table, check_unmapped
 
 SOURCE_PATH = Path(__file__).with_name("topk.cu")
-HEADERS = ("keys.cuh",)
-"""headers the kernel sources include by name (``resolve_includes``): beside this file"""
 # (threads, float4 vectors per thread and tile) compiled in topk.cu
 VARIANTS = ((1024, 4), (1024, 2), (512, 4), (512, 8))
 MIN_CAPABILITY = (7, 0)
@@ -48,17 +46,6 @@ SLOTS_OPTIONS = ("-DTOPK_SLOTS_MODULE=1",)
 """the NVRTC options of the slots module: the cluster kernels' entries that write KV-cache slots
 through a page table, compiled on a page table's first use (the library's module stays as fast to
 compile as without them)"""
-COUNTS_OPTIONS = ("-DTOPK_COUNTS_MODULE=1",)
-"""the NVRTC options of the counts module: the one-CTA entries whose pass A takes the counts the
-CUDA scorer's counts build wrote (``topk.scorer_counts``), compiled on the first such step"""
-COUNTS_BINS = 4096
-"""a row's pass-A counts (the source's ``COUNTS_BINS``: ``cuda_topk_emu.solo_bin``'s bins)"""
-COUNTS_REFUSED = COUNTS_BINS
-"""the word after a row's counts: how many times the top-k refused counts that summed to the row's
-live length but disagreed with its keys (a fault of the scorer that wrote them; never cleared by
-the kernels: ``IndexerTopkWorkspace.counts_refused``)"""
-COUNTS_WORDS = COUNTS_BINS + 4
-"""a row's words in a counts buffer: the counts, the refusals, three unused (16-byte rows)"""
 PORTABLE_CLUSTER = 8
 """the largest cluster every sm_90+ device launches; 16 needs the non-portable opt-in and a device
 that can hold 16 such CTAs in one GPC (``_Module.cluster16``)"""
@@ -71,24 +58,9 @@ STATIC_SMEM_RESERVE = 1536
 """bytes of the opt-in shared memory left to a cluster kernel's static share"""
 
 
-def resolve_includes(text: str) -> str:
-    """``text`` with each line ``#include "NAME"`` of a ``HEADERS`` name replaced by that header's
-    text (NVRTC is given whole sources: the compile and the on-disk cache's key see one text)."""
-    lines = []
-    for line in text.splitlines(keepends=True):
-        head = line.split("//", 1)[0].strip()
-        if head.startswith("#include"):
-            name = head[len("#include"):].strip().strip('"')
-            if name in HEADERS:
-                lines.append(SOURCE_PATH.with_name(name).read_text())
-                continue
-        lines.append(line)
-    return "".join(lines)
-
-
 def source() -> str:
-    """``topk.cu`` with its headers in place (``resolve_includes``)."""
-    return resolve_includes(SOURCE_PATH.read_text())
+    """The kernel source, ``topk.cu``."""
+    return SOURCE_PATH.read_text()
 
 
 def kernel_name(threads: int, vec: int, aligned: bool) -> str:
@@ -97,19 +69,13 @@ def kernel_name(threads: int, vec: int, aligned: bool) -> str:
     return f"topk_radix_t{threads}_v{vec}_a{int(bool(aligned))}"
 
 
-def cluster_kernel_name(cluster: int, aligned: bool, threads: int = 1024, slots: bool = False,
-                        counts: bool = False) -> str:
-    """The cluster kernel's entry; ``slots``: the one that writes slots through a page table;
-    ``counts``: the one-CTA one that takes the scorer's pass-A counts (the counts module)."""
+def cluster_kernel_name(cluster: int, aligned: bool, threads: int = 1024, slots: bool = False) -> str:
+    """The cluster kernel's entry; ``slots``: the one that writes slots through a page table."""
     if cluster not in CLUSTER_SIZES:
         raise ValueError(f"cuda top-k: cluster size must be one of {CLUSTER_SIZES}, got {cluster!r}")
     if threads not in CLUSTER_THREADS:
         raise ValueError(f"cuda top-k: cluster threads must be one of {CLUSTER_THREADS}, got {threads!r}")
-    if counts and (cluster != 1 or slots):
-        raise ValueError("cuda top-k: the counts entries are one CTA a row, positions "
-                         f"(got cluster={cluster}, slots={slots})")
-    suffix = "_slots" if slots else ("_counts" if counts else "")
-    return f"topk_cluster_c{cluster}_t{threads}_a{int(bool(aligned))}{suffix}"
+    return f"topk_cluster_c{cluster}_t{threads}_a{int(bool(aligned))}{'_slots' if slots else ''}"
 
 
 def cluster_chunk_cap(sel_width: int, cluster: int) -> int:
@@ -269,6 +235,16 @@ def cluster_smem_limit(index: int) -> int:
     return optin - STATIC_SMEM_RESERVE
 
 
+@cache
+def smem_per_sm(index: int) -> int:
+    """Shared memory bytes of one SM of CUDA device ``index`` (a driver query)."""
+    driver, _ = _bindings()
+    _check(driver.cuInit(0), "cuInit")
+    cu_dev = _check(driver.cuDeviceGet(index), "cuDeviceGet")
+    attr = driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR
+    return int(_check(driver.cuDeviceGetAttribute(attr, cu_dev), "cuDeviceGetAttribute"))
+
+
 class CompileError(RuntimeError):
     pass
 
@@ -298,7 +274,7 @@ def compile_source(
     num = arch.split("_", 1)[1]
     target = f"compute_{num}" if output == "ptx" else f"sm_{num}"
     prog = _check(
-        nvrtc.nvrtcCreateProgram(resolve_includes(source() if text is None else text).encode(), name.encode(),
+        nvrtc.nvrtcCreateProgram((source() if text is None else text).encode(), name.encode(),
                                  0, [], []),
         "nvrtcCreateProgram",
     )
@@ -325,16 +301,11 @@ def compile_source(
 
 
 def compiler_identity() -> str:
-    """What the key of a cached cubin records of the compiler: NVRTC's and cuda-bindings' versions."""
+    """What the key of a cached cubin records of the compiler: NVRTC's version (the bindings that
+    call it compile nothing)."""
     _, nvrtc = _bindings()
     major, minor = _check(nvrtc.nvrtcVersion(), "nvrtcVersion")
-    try:
-        from importlib.metadata import version
-
-        bindings = version("cuda-bindings")
-    except Exception:  # an older layout (``cuda-python`` only) or no metadata
-        bindings = "unknown"
-    return f"NVRTC {major}.{minor}; cuda-bindings {bindings}"
+    return f"NVRTC {major}.{minor}"
 
 
 def module_cubin(arch: str, *, text: str | None = None, name: str = "topk.cu",
@@ -344,16 +315,16 @@ def module_cubin(arch: str, *, text: str | None = None, name: str = "topk.cu",
     compiler, else compiled by ``compile_source`` and stored."""
     from . import nvrtc_cache
 
-    body = resolve_includes(source() if text is None else text)
+    body = source() if text is None else text
     return nvrtc_cache.cached(
         lambda: compile_source(arch, text=body, name=name, extra_options=extra_options)[0],
         text=body, name=name, target=arch, options=extra_options, compiler=compiler_identity(),
         environ=environ)
 
 
-MODULE_OPTIONS = {"positions": (), "slots": SLOTS_OPTIONS, "counts": COUNTS_OPTIONS}
+MODULE_OPTIONS = {"positions": (), "slots": SLOTS_OPTIONS}
 """each module of the source by its kind: the library's (the positions entries and the rest), the
-slots entries', the counts entries'"""
+slots entries'"""
 
 
 class _Module:
@@ -379,10 +350,9 @@ class _Module:
         self.smem_set: dict[str, int] = {}
         self.sm_count = torch.cuda.get_device_properties(index).multi_processor_count
         self.smem_optin = cluster_smem_limit(index)
-        per_sm = driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR
-        self.smem_per_sm = int(_check(driver.cuDeviceGetAttribute(per_sm, cu_dev), "cuDeviceGetAttribute"))
+        self.smem_per_sm = smem_per_sm(index)
         self.cluster_ok = self.smem_optin > 0
-        self.cluster16 = self.cluster_ok and kind != "counts" and self._can_launch_cluster16()
+        self.cluster16 = self.cluster_ok and self._can_launch_cluster16()
         self.pdl_attribute = pdl_launch_attribute(driver)
 
     def _can_launch_cluster16(self) -> bool:
@@ -446,15 +416,13 @@ _MODULES: dict[tuple[int, str], _Module] = {}
 _LOCK = threading.Lock()
 
 
-def module_for(device: torch.device | str | int, slots: bool = False, counts: bool = False) -> _Module:
+def module_for(device: torch.device | str | int, slots: bool = False) -> _Module:
     """The compiled module of a CUDA device (compiles and loads on first use); ``slots``: the
-    slots module (``SLOTS_OPTIONS``); ``counts``: the counts module (``COUNTS_OPTIONS``)."""
-    if slots and counts:
-        raise ValueError("cuda top-k: no module holds entries of both slots and counts")
+    slots module (``SLOTS_OPTIONS``)."""
     index = torch.device(device).index if not isinstance(device, int) else device
     if index is None:
         index = torch.cuda.current_device()
-    kind = "slots" if slots else ("counts" if counts else "positions")
+    kind = "slots" if slots else "positions"
     key = (index, kind)
     mod = _MODULES.get(key)
     if mod is None:
@@ -556,6 +524,8 @@ def launch_cuda_topk_cluster(
     sel_width: int,
     *,
     nan_low: bool = True,
+    plan: ClusterPlan | None = None,
+    smem: int | None = None,
     cluster: int | None = None,
     cap: int | None = None,
     threads: int | None = None,
@@ -563,33 +533,28 @@ def launch_cuda_topk_cluster(
     lens_early: bool = False,
     page_table: torch.Tensor | None = None,
     page_bits: int = 0,
-    counts: torch.Tensor | None = None,
     unmapped: torch.Tensor | None = None,
 ) -> ClusterPlan:
-    """A cluster of CTAs per row (``plan_cluster``'s, or ``cluster``): the output of
-    ``launch_cuda_topk``, element for element. ``cap`` overrides the keys kept in shared memory
-    (a multiple of 4, at most the plan's); ``threads`` forces the CTAs' threads (512 or 1024; the
-    plan's otherwise). ``pdl``: a programmatic dependent launch, whose
-    shared-memory setup overlaps the end of the stream's previous kernel (the scorer, in a
-    step); the kernel reads nothing global before that kernel has completed, except with
-    ``lens_early``: ``row_lens`` and ``active`` are read before, so only where the stream's
-    previous kernel does not write them and lets this one launch only once every write of them
-    has completed (a step's scorer: plain, or a dependent launch that waits before it lets its
-    dependents launch). ``page_table`` (int32 ``[>= rows, pages]``, contiguous rows; pages of
-    ``2 ** page_bits`` slots): the output holds each position's KV-cache slot
-    (``reference.page_table_slots``), written by the same launch; each selected position written as
-    ``-1`` (no slot) adds one to ``unmapped`` (int32 ``[1]``, optional). ``counts`` (``check_counts``; one
-    CTA a row, positions): each row's pass-A counts as the stream's previous kernel, the CUDA
-    scorer's counts build, wrote them for these scores; a row takes them where they sum to its
-    live length and its keys agree with them (else it counts itself: the same output either way;
-    counts that summed right but disagreed add one to the row's ``COUNTS_REFUSED`` word), and the
-    launch leaves every row's counts zero. Returns the plan launched.
+    """A cluster of CTAs per row: the output of ``launch_cuda_topk``, element for element.
+
+    ``plan`` and ``smem``: the planner's launch (``planner.plan_route``), taken as is. Without
+    them the launch is planned here (``plan_cluster``; ``cluster`` forces the CTAs a row, ``cap``
+    the keys kept in shared memory, a multiple of 4 at most the plan's, ``threads`` the CTAs'
+    threads, 512 or 1024). ``pdl``: a programmatic dependent launch, whose shared-memory setup
+    overlaps the end of the stream's previous kernel (the scorer, in a step); the kernel reads
+    nothing global before that kernel has completed, except with ``lens_early``: ``row_lens`` and
+    ``active`` are read before, so only where the stream's previous kernel does not write them and
+    lets this one launch only once every write of them has completed (a step's scorer).
+    ``page_table`` (int32 ``[>= rows, pages]``, contiguous rows; pages of ``2 ** page_bits``
+    slots): the output holds each position's KV-cache slot (``reference.page_table_slots``),
+    written by the same launch; each selected position written as ``-1`` (no slot) adds one to
+    ``unmapped`` (int32 ``[1]``, optional). Returns the plan launched.
 
     ``x`` must hold at least ``sel_width`` columns: the kernel may read any of them before it
     knows a row's live length (a ``ValueError`` names the shape otherwise).
 
     Raises ``ValueError`` where the route cannot take the call (before sm_90, more than 65535
-    rows): callers fall back to ``launch_cuda_topk``.
+    rows).
     """
     rows = out.shape[0]
     if x.dim() != 2 or x.shape[1] < sel_width:
@@ -602,61 +567,44 @@ def launch_cuda_topk_cluster(
         check_unmapped(unmapped, x.device)
     elif unmapped is not None:
         raise ValueError("unmapped: counts positions without a slot; pass it with a page_table")
-    if counts is not None:
-        if page_table is not None:
-            raise ValueError("counts: the counts entries write positions; pass no page_table with them")
-        check_counts(counts, rows, x.device)
-    mod = module_for(_check_launch_args(x, row_lens, active, out, k, sel_width), slots=page_table is not None,
-                     counts=counts is not None)
+    mod = module_for(_check_launch_args(x, row_lens, active, out, k, sel_width), slots=page_table is not None)
     if not mod.cluster_ok:
         raise ValueError(
             f"cuda top-k: the cluster route needs compute capability >= {CLUSTER_MIN_CAPABILITY}")
-    plan = plan_cluster(max(rows, 1), sel_width, mod.sm_count, mod.smem_optin, cluster=cluster,
-                        threads=threads)
     if plan is None:
-        raise ValueError(f"cuda top-k: the cluster route cannot take rows={rows} sel_width={sel_width}")
+        plan = _plan_here(mod, rows, sel_width, cluster, cap, threads)
+        smem = None
     if plan.cluster > PORTABLE_CLUSTER and not mod.cluster16:  # 8 CTAs, at most the cap planned for 16
         narrow = plan_cluster(max(rows, 1), sel_width, mod.sm_count, mod.smem_optin,
                               cluster=PORTABLE_CLUSTER, threads=plan.threads)
         kept = min(plan.cap, narrow.cap)
         plan = ClusterPlan(PORTABLE_CLUSTER, kept, cluster_smem_bytes(kept, PORTABLE_CLUSTER, plan.threads),
                            plan.threads)
-    if cap is not None:
-        if cap < 4 or cap % 4 or cap > plan.cap:
-            raise ValueError(f"cuda top-k: cap must be a multiple of 4 in [4, {plan.cap}], got {cap}")
-        plan_smem = cluster_smem_bytes(cap, plan.cluster, plan.threads)
-        plan = ClusterPlan(plan.cluster, cap, plan_smem, plan.threads)
-    if counts is not None and plan.cluster != 1:
-        raise ValueError(f"counts: the counts entries run one CTA a row; this call's plan is {plan.cluster} "
-                         "CTAs (pass cluster=1)")
+        smem = None
     if rows == 0:
         return plan
+    if smem is None:
+        smem = launch_smem(plan, rows, mod.sm_count, mod.smem_per_sm, mod.smem_optin, pdl)
     aligned = x.data_ptr() % 16 == 0 and stride_r % 4 == 0
-    smem = launch_smem(plan, rows, mod.sm_count, mod.smem_per_sm, mod.smem_optin, pdl)
-    fn = mod.function(cluster_kernel_name(plan.cluster, aligned, plan.threads, page_table is not None,
-                                          counts is not None), smem)
+    fn = mod.function(cluster_kernel_name(plan.cluster, aligned, plan.threads, page_table is not None), smem)
     tail = cluster_tail(plan.cap, lens_early, page_table, page_bits, unmapped)
-    if counts is not None:
-        tail += (ctypes.c_void_p(counts.data_ptr()), ctypes.c_longlong(counts.stride(0)))
     _launch(mod, fn, (plan.cluster, rows, 1), plan.threads, smem, x, stride_r, row_lens, active,
             out, k, sel_width, nan_low, tail, pdl=pdl)
     return plan
 
 
-def check_counts(counts: torch.Tensor, rows: int, device: torch.device) -> None:
-    """A ``ValueError`` unless ``counts`` can hold ``rows`` rows' pass-A counts on ``device``: int32
-    ``[>= rows, COUNTS_WORDS]`` with contiguous, 16-byte aligned rows (host metadata only)."""
-    if not isinstance(counts, torch.Tensor):
-        raise ValueError(f"counts: must be a tensor, got {type(counts).__name__}")
-    if counts.dtype != torch.int32 or counts.dim() != 2 or counts.shape[1] != COUNTS_WORDS:
-        raise ValueError(f"counts: must be int32 [rows, {COUNTS_WORDS}], got {counts.dtype} "
-                         f"{tuple(counts.shape)}")
-    if counts.shape[0] < rows:
-        raise ValueError(f"counts: {counts.shape[0]} rows for a call of {rows}")
-    if counts.device != torch.device(device):
-        raise ValueError(f"counts: on {counts.device}, the call on {device}")
-    if counts.stride(1) != 1 or counts.stride(0) % 4 or counts.data_ptr() % 16:
-        raise ValueError("counts: rows must be contiguous and 16-byte aligned (row stride a multiple of 4)")
+def _plan_here(mod, rows: int, sel_width: int, cluster: int | None, cap: int | None,
+               threads: int | None) -> ClusterPlan:
+    """``plan_cluster``'s launch on ``mod``'s device, with the caller's forced size, cap or threads."""
+    plan = plan_cluster(max(rows, 1), sel_width, mod.sm_count, mod.smem_optin, cluster=cluster,
+                        threads=threads)
+    if plan is None:
+        raise ValueError(f"cuda top-k: the cluster route cannot take rows={rows} sel_width={sel_width}")
+    if cap is not None:
+        if cap < 4 or cap % 4 or cap > plan.cap:
+            raise ValueError(f"cuda top-k: cap must be a multiple of 4 in [4, {plan.cap}], got {cap}")
+        plan = ClusterPlan(plan.cluster, cap, cluster_smem_bytes(cap, plan.cluster, plan.threads), plan.threads)
+    return plan
 
 
 def cluster_tail(cap: int, lens_early: bool = False, page_table: torch.Tensor | None = None,

@@ -241,44 +241,13 @@ class ClusterRowPlan:
         return 32 - (self.lo ^ self.hi).bit_length()
 
 
-COUNTS_BINS = 4096
-"""a row's pass-A counts as the CUDA scorer's counts build writes them (``solo_bin``'s bins)"""
-
-
-def scorer_counts(x: torch.Tensor, nan_low: bool = False) -> torch.Tensor:
-    """What the CUDA scorer's counts build adds into a row's counts for the scores ``x`` it writes
-    below the row's live length: one at ``solo_bin`` of each score's key (``nan_low`` as the
-    top-k that reads them: off after the scorer, whose NaN is negative)."""
-    return torch.bincount(solo_bin(order_keys(x, nan_low)), minlength=COUNTS_BINS)
-
-
-def counts_taken(counts: torch.Tensor, n: int) -> bool:
-    """Whether the one-CTA top-k takes ``counts`` as a row's pass A: they sum to its live length
-    ``n`` (counts only grow, so any left over from an unfinished launch, or a row the scorer did
-    not count, makes the sum differ and the row is counted again)."""
-    return int(counts.sum()) == n
-
-
-def counts_certified(counts: torch.Tensor, u: torch.Tensor, k: int) -> bool:
-    """Whether the row's keys ``u`` (more than ``k``) agree with ``counts`` taken as its pass A:
-    as many keys above the bin the counts put the k-th key in as they say, and as many in it. Then
-    that bin, need and count are the ones the row's own count finds (the kernel keeps them;
-    otherwise it counts the refusal and the row)."""
-    b, need, cnt = _find_bin(counts, k)
-    lo, hi = solo_bin_keys(b)
-    return int((u > hi).sum()) == k - need and int(((u >= lo) & (u <= hi)).sum()) == cnt
-
-
-def plan_cluster_row(u: torch.Tensor, k: int, *, solo: bool = False,
-                     counts: torch.Tensor | None = None) -> ClusterRowPlan:
+def plan_cluster_row(u: torch.Tensor, k: int, *, solo: bool = False) -> ClusterRowPlan:
     """The kernel's passes on the order keys ``u`` of a row on a cluster (pass A: 2048 bins of
-    ``u >> 21``) or on one CTA (``solo``: 4096 bins of ``solo_bin``, or ``counts`` where
-    ``counts_taken`` and ``counts_certified``); then passes of at most 11 of the bits that vary in
-    the bin's keys, until the bin is taken whole, holds at most the list's size, or one key value."""
+    ``u >> 21``) or on one CTA (``solo``: 4096 bins of ``solo_bin``); then passes of at most 11 of
+    the bits that vary in the bin's keys, until the bin is taken whole, holds at most the list's
+    size, or one key value."""
     if solo:
-        taken = counts is not None and counts_taken(counts, u.numel()) and counts_certified(counts, u, k)
-        hist = counts if taken else torch.bincount(solo_bin(u), minlength=COUNTS_BINS)
-        b, need, cnt = _find_bin(hist, k)
+        b, need, cnt = _find_bin(torch.bincount(solo_bin(u), minlength=4096), k)
         lo, hi = solo_bin_keys(b)
     else:
         b, need, cnt = _find_bin(torch.bincount(u >> 21, minlength=2048), k)

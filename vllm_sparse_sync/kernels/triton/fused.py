@@ -2,7 +2,7 @@
 
 Grid ``(rows, parts)``, launched cooperatively (every program resident at once, or the launch
 fails and the warm-up call takes fewer programs per SM); ``parts`` comes from the route planner
-(``route.plan_route``: the static row count, the SM count and the width bound). Program ``(r,
+(``planner.plan_route``: the static row count, the SM count and the width bound). Program ``(r,
 p)`` scores the contiguous chunk of page tiles ``[p * c, (p + 1) * c)`` of row ``r``, with ``c =
 cdiv(live tiles, parts)`` from the row's device length (at most the route's ``fused_tiles``;
 programs past the last tile sit the row out), and keeps their sortable keys in registers:
@@ -42,9 +42,13 @@ import triton.language as tl
 from .common import lanes_where, live_length, next_prefix, pick_digit, radix_hist, sortable_key
 from .scorer import load_query, page_keys, tile_scores
 from .topk_sample import select_emit
-from ..workspace import interpreting
+from ..device import interpreting
 
 SPIN_LIMIT = (1 << 31) - 1  # polls before a row barrier gives up and marks its row
+STAGES = 6
+WARPS = 4
+RESOLVE_BLOCK = 1024
+"""candidates an iteration of the row's one-program resolve"""
 
 
 @triton.jit
@@ -196,11 +200,10 @@ def launch_fused_step(q_fp8, weights, k_cache, block_table, row_lens, active, ou
     rows, heads, head_dim = q_fp8.shape
     parts, nsub = route.fused_parts, route.fused_tiles
     has_active = active is not None
-    cfg = ws.config.fused
     interp = interpreting()
     phases = (1, 2, 3, 4) if interp else (0,)
     stash = ws.fused_stash(rows * parts * nsub * page) if interp else ws.fused_hist
-    extra = {} if interp else _launch_kwargs(ws.fused_ctas_per_sm, cfg.warps)
+    extra = {} if interp else _launch_kwargs(ws.fused_ctas_per_sm, WARPS)
     for phase in phases:
         fused_step_kernel[(rows, parts)](
             q_fp8.view(torch.uint8), weights, k_cache, k_cache.view(torch.float32), block_table,
@@ -209,6 +212,6 @@ def launch_fused_step(q_fp8, weights, k_cache, block_table, row_lens, active, ou
             ws.fused_cand_key.stride(0), stash, ws.fused_stall,
             k_cache.shape[0], k_cache.stride(0), sel_width, block_table.shape[1] * page,
             K=k, H=heads, D=head_dim, PAGE=page, NSUB=nsub, PARTS_P2=triton.next_power_of_2(parts),
-            HAS_ACTIVE=has_active, PRECISE=ws.config.scorer.precise, NUM_STAGES=cfg.stages,
-            PHASE=phase, SPIN=SPIN_LIMIT, RBLK=cfg.resolve_block, num_warps=cfg.warps, **extra,
+            HAS_ACTIVE=has_active, PRECISE=ws.config.precise, NUM_STAGES=STAGES,
+            PHASE=phase, SPIN=SPIN_LIMIT, RBLK=RESOLVE_BLOCK, num_warps=WARPS, **extra,
         )

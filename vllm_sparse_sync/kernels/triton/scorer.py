@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from .common import live_length
-from ..workspace import interpreting
+from ..device import interpreting
 
 try:  # Triton >= 3.3 on CUDA; a no-op for a next kernel not launched as a programmatic dependent
     from triton.language.extra.cuda import gdc_launch_dependents
@@ -145,12 +145,19 @@ def score_kernel(
                      mask=(pos >= n) & (pos < fill_width))
 
 
+TILE = 64
+"""tokens a loop iteration; a tile of exactly one page loads its K from one page id"""
+WARPS = 4
+STAGES = 6
+"""software-pipeline depth of the K loads"""
+
+
 def launch_score(
     q_fp8, weights, k_cache, block_table, row_lens, active, out, *, page_size, sel_width,
-    fill_width, splits, config,
+    fill_width, splits, precise: bool = True, launch_dependents: bool = True,
 ):
-    """Launch the scorer (``config``: a ``ScorerConfig``); ``out`` is ``fp32 [rows, >= sel_width]``
-    (written up to each row's length)."""
+    """Launch the scorer; ``out`` is ``fp32 [rows, >= sel_width]`` (written up to each row's length).
+    ``precise``: exact or e4m3 scores; ``launch_dependents``: let the next kernel launch early."""
     rows, heads, head_dim = q_fp8.shape
     has_active = active is not None
     kc = k_cache
@@ -160,11 +167,11 @@ def launch_score(
         active if has_active else row_lens, out, out.stride(0),
         k_cache.shape[0], k_cache.stride(0), sel_width,
         block_table.shape[1] * page_size, fill_width,
-        H=heads, D=head_dim, PAGE=page_size, TILE=config.tile,
-        HAS_ACTIVE=has_active, FILL_TAIL=fill_width > 0, NUM_STAGES=config.stages,
-        PRECISE=config.precise, SCALAR_PAGE=config.tile == page_size and k_cache.shape[0] > 0,
-        LAUNCH_DEPENDENTS=config.launch_dependents and can_launch_dependents(out.device),
-        num_warps=config.warps,
+        H=heads, D=head_dim, PAGE=page_size, TILE=TILE,
+        HAS_ACTIVE=has_active, FILL_TAIL=fill_width > 0, NUM_STAGES=STAGES,
+        PRECISE=precise, SCALAR_PAGE=TILE == page_size and k_cache.shape[0] > 0,
+        LAUNCH_DEPENDENTS=launch_dependents and can_launch_dependents(out.device),
+        num_warps=WARPS,
     )
 
 

@@ -151,24 +151,28 @@ def radix_emit_kernel(
     tl.store(tick_ptr + 4 * rows + row, 0, mask=last)
 
 
+BLOCK = 1024
+"""scores a program reads an iteration"""
+WARPS = 4
+
+
 def launch_radix_topk(x, stride_r, row_lens, active, ws, out, k, sel_width, chunks, nan_low=True):
     """Launch radix passes 0..3 and the emit pass for ``x`` rows on ``ws`` buffers, ``chunks``
     programs per row (the route's); ``nan_low=False`` for scores from the scorer (NaN already
     negative)."""
     rows = out.shape[0]
-    cfg = ws.config.topk
     has_active = active is not None
     act = active if has_active else row_lens
     grid = (rows, chunks)
     for p in range(4):
         radix_pass_kernel[grid](
             x, stride_r, row_lens, act, ws.hist, ws.ticks, ws.state, ws.chunk_sfx, ws.chunk_gt,
-            sel_width, K=k, PASS=p, HAS_ACTIVE=has_active, BLK=cfg.block, NAN_LOW=nan_low,
-            num_warps=cfg.warps,
+            sel_width, K=k, PASS=p, HAS_ACTIVE=has_active, BLK=BLOCK, NAN_LOW=nan_low,
+            num_warps=WARPS,
         )
     radix_emit_kernel[grid](
         x, stride_r, row_lens, act, ws.hist, ws.ticks, ws.state, ws.chunk_sfx, ws.chunk_gt, out,
         out.stride(0), sel_width,
-        K=k, HAS_ACTIVE=has_active, BLK=cfg.block, CHUNKS_P2=triton.next_power_of_2(chunks),
-        NAN_LOW=nan_low, num_warps=cfg.warps,
+        K=k, HAS_ACTIVE=has_active, BLK=BLOCK, CHUNKS_P2=triton.next_power_of_2(chunks),
+        NAN_LOW=nan_low, num_warps=WARPS,
     )

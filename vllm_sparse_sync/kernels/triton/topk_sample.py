@@ -183,32 +183,44 @@ def resolve_kernel(
                     NAN_LOW)
 
 
+BLOCK = 1024
+"""scores a program reads an iteration"""
+WARPS = 4
+CAP = 8192
+"""most candidates a row (the workspace's candidate buffers)"""
+SAMPLE_ABOVE = 4096
+"""rows longer than this are sampled; shorter ones are read whole by the resolve"""
+SAMPLES = 2048
+"""strided samples a row that set the candidate threshold"""
+RESOLVE_BLOCK = 2048
+RESOLVE_WARPS = 8
+
+
 def launch_sample_topk(x, stride_r, row_lens, active, ws, out, k, sel_width, chunks, nan_low=True):
     """Launch sample, count, compact and resolve for ``x`` rows on ``ws`` buffers, ``chunks``
     programs per row (the route's); ``nan_low=False`` for scores from the scorer."""
-    cfg = ws.config.topk
     rows = out.shape[0]
     has_active = active is not None
     act = active if has_active else row_lens
     grid = (rows, chunks)
-    cap, smin, p2 = cfg.cap, cfg.sample_above, triton.next_power_of_2(chunks)
+    cap, smin, p2 = CAP, SAMPLE_ABOVE, triton.next_power_of_2(chunks)
     sample_kernel[(rows,)](
         x, stride_r, row_lens, act, ws.thresh, sel_width,
-        K=k, SMIN=smin, S=cfg.samples, HAS_ACTIVE=has_active, NAN_LOW=nan_low,
-        num_warps=cfg.warps,
+        K=k, SMIN=smin, S=SAMPLES, HAS_ACTIVE=has_active, NAN_LOW=nan_low,
+        num_warps=WARPS,
     )
     count_kernel[grid](
         x, stride_r, row_lens, act, ws.thresh, ws.chunk_cnt, sel_width,
-        SMIN=smin, HAS_ACTIVE=has_active, BLK=cfg.block, NAN_LOW=nan_low, num_warps=cfg.warps,
+        SMIN=smin, HAS_ACTIVE=has_active, BLK=BLOCK, NAN_LOW=nan_low, num_warps=WARPS,
     )
     compact_kernel[grid](
         x, stride_r, row_lens, act, ws.thresh, ws.chunk_cnt, ws.cand_key, ws.cand_pos, sel_width,
-        K=k, CAP=cap, SMIN=smin, HAS_ACTIVE=has_active, BLK=cfg.block, CHUNKS_P2=p2,
-        NAN_LOW=nan_low, num_warps=cfg.warps,
+        K=k, CAP=cap, SMIN=smin, HAS_ACTIVE=has_active, BLK=BLOCK, CHUNKS_P2=p2,
+        NAN_LOW=nan_low, num_warps=WARPS,
     )
     resolve_kernel[(rows,)](
         x, stride_r, row_lens, act, ws.chunk_cnt, ws.cand_key, ws.cand_pos, out, out.stride(0),
         sel_width, chunks,
-        K=k, CAP=cap, SMIN=smin, HAS_ACTIVE=has_active, RB=cfg.resolve_block, CHUNKS_P2=p2,
-        NAN_LOW=nan_low, num_warps=cfg.resolve_warps,
+        K=k, CAP=cap, SMIN=smin, HAS_ACTIVE=has_active, RB=RESOLVE_BLOCK, CHUNKS_P2=p2,
+        NAN_LOW=nan_low, num_warps=RESOLVE_WARPS,
     )

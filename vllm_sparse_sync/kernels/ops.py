@@ -1,8 +1,9 @@
-"""Triton versions of the indexer kernels, same signatures and semantics as ``reference``.
+"""The indexer kernels' entry points on a device: same signatures and semantics as ``reference``.
 
-Host work here is shape checks and launches only: no device-to-host reads, so every call can be
-captured in a CUDA graph once its kernels are compiled (call it once before capture) and its
-scratch comes from an ``IndexerTopkWorkspace`` made outside capture.
+Each call checks its host arguments, plans its route (``IndexerTopkWorkspace.plan_call``; a step
+brings its own ``StepPlan``) and launches it (``launch``). No device-to-host reads, so every call
+can be captured in a CUDA graph once its kernels are compiled (call it once before capture) and
+its scratch comes from an ``IndexerTopkWorkspace`` made outside capture.
 """
 
 from __future__ import annotations
@@ -11,12 +12,8 @@ import torch
 
 from . import reference as ref
 from .config import DEFAULT_CONFIG, KernelConfig
-from .route import CUDA, CUDA_RADIX, SAMPLE, Route, score_splits
-from .scorer import launch_score, scorer_kind
-from .triton.k_cache import write_k_cache_kernel
-from .triton.fused import launch_fused_step
-from .triton.topk_radix import launch_radix_topk
-from .triton.topk_sample import launch_sample_topk
+from .launch import CooperativeLaunchRefused, launch_scorer, launch_topk, run_step
+from .planner import DeviceInfo, Route, plan_route
 from .workspace import IndexerTopkWorkspace
 
 _check = ref._check
@@ -30,6 +27,8 @@ def write_index_k_cache(
     Slots ``< 0`` or past the cache are skipped, as in the reference (no host check: the call
     stays capturable; ``VLLM_SPARSE_SYNC_DEVICE_CHECKS=1`` asserts on the device instead).
     """
+    from .triton.k_cache import write_k_cache_kernel
+
     page = ref.check_cache_write(k_cache, k_fp8, k_scale, slot_mapping)
     head_dim = k_fp8.shape[1]
     _check(k_cache.stride(1) == 1, "k_cache", "last dimension must be contiguous")
@@ -115,20 +114,43 @@ def paged_indexer_logits(
            f"must be float32 [{rows}, {width}] with contiguous rows")
     if rows == 0 or width == 0:
         return out
-    kind = scorer_kind(rows, page, q_fp8.device, config, min(width, block_table.shape[1] * page))
-    splits = score_splits(rows, _sms(q_fp8.device), config, kind)
-    launch_score(
-        q_fp8, weights, k_cache, block_table, row_lens, active_width, out, page_size=page,
-        sel_width=min(width, block_table.shape[1] * page), fill_width=width, splits=splits,
-        config=config.scorer, kind=kind,
-    )
+    sel_width = min(width, block_table.shape[1] * page)
+    route = plan_route(rows, sel_width, page, _scorer_device(q_fp8.device, config), config,
+                       scorer_fits=scorer_fits(q_fp8, k_cache, block_table, page))
+    _launch_dense_scores(route, q_fp8, weights, k_cache, block_table, row_lens, active_width, out,
+                         page=page, sel_width=sel_width, fill_width=width, config=config)
     return out
 
 
-def _sms(device: torch.device) -> int:
-    from .workspace import device_sm_count
+def _scorer_device(device: torch.device, config: KernelConfig) -> DeviceInfo:
+    """What the scorer's plan needs of ``device``: its SMs and whether the CUDA scorer runs."""
+    from .device import cuda_scorer_ok, device_sm_count
 
-    return device_sm_count(str(device))
+    return DeviceInfo(device_sm_count(str(device)), cuda_scorer=config.cuda and cuda_scorer_ok(device))
+
+
+def _launch_dense_scores(route: Route, q_fp8, weights, k_cache, block_table, row_lens, active, out, *,
+                         page: int, sel_width: int, fill_width: int, config: KernelConfig) -> None:
+    """The route's scorer, with ``-inf`` written past each row's length up to ``fill_width``."""
+    if route.scorer == "cuda":
+        from .cuda.scorer import launch_cuda_score
+
+        launch_cuda_score(q_fp8, weights, k_cache, block_table, row_lens, active, out, page_size=page,
+                          sel_width=sel_width, fill_width=fill_width, splits=route.score_splits,
+                          precise=config.precise, pdl=config.pdl)
+        return
+    from .triton.scorer import launch_score
+
+    launch_score(q_fp8, weights, k_cache, block_table, row_lens, active, out, page_size=page,
+                 sel_width=sel_width, fill_width=fill_width, splits=route.score_splits,
+                 precise=config.precise, launch_dependents=config.pdl)
+
+
+def scorer_fits(q_fp8, k_cache, block_table, page: int) -> bool:
+    """Whether the CUDA scorer is built for a call of these tensors (host metadata only)."""
+    from .cuda.scorer import takes
+
+    return takes(q_fp8, k_cache, block_table, page, 1)
 
 
 def _workspace(workspace, rows, k, width, device) -> IndexerTopkWorkspace:
@@ -145,53 +167,6 @@ def _index_out(out: torch.Tensor | None, rows: int, k: int, device: torch.device
     _check(out.shape == (rows, k) and out.dtype == torch.int32 and out.stride(1) == 1, "out",
            f"must be int32 [{rows}, {k}] with contiguous rows")
     return out
-
-
-def _slots(out: torch.Tensor, pages: tuple | None, unmapped: torch.Tensor | None = None) -> None:
-    """``out``'s positions rewritten as KV-cache slots where ``pages`` (table, log2 page size) is
-    given, by its own launch; positions without a slot add to ``unmapped``."""
-    if pages is not None:
-        from .triton.slots import launch_page_slots
-
-        launch_page_slots(out, *pages, unmapped)
-
-
-def _launch_topk(route: Route, logits, row_lens, active_width, ws, out, k, width, *,
-                 nan_low: bool, after_scorer: bool = False, pages: tuple | None = None,
-                 counts: torch.Tensor | None = None, unmapped: torch.Tensor | None = None) -> None:
-    """The route's top-k launches; ``nan_low=False`` for scores from the scorer (NaN negative).
-    ``after_scorer``: the stream's previous kernel is this step's scorer (which does not write
-    ``row_lens`` or ``active_width``). ``pages``: (page table, log2 page size), the output as
-    KV-cache slots: written by the cluster top-k itself, by a transform launch after the others;
-    positions without a slot add to ``unmapped``. ``counts``: the pass-A counts that scorer wrote
-    (``scorer_counts_for``)."""
-    if route.kind == CUDA_RADIX and route.topk_cluster:
-        from .cuda.topk import launch_cuda_topk_cluster
-
-        launch_cuda_topk_cluster(logits, logits.stride(0), row_lens, active_width, out, k, width,
-                                 nan_low=nan_low, cluster=route.topk_cluster, cap=route.topk_cap,
-                                 lens_early=after_scorer and ws.config.topk.cuda_lens_early,
-                                 page_table=None if pages is None else pages[0],
-                                 page_bits=0 if pages is None else pages[1], counts=counts,
-                                 unmapped=None if pages is None else unmapped)
-        return
-    _launch_positions(route, logits, row_lens, active_width, ws, out, k, width, nan_low=nan_low)
-    _slots(out, pages, unmapped)
-
-
-def _launch_positions(route: Route, logits, row_lens, active_width, ws, out, k, width, *,
-                      nan_low: bool) -> None:
-    """The top-k launches of a route other than the cluster top-k (positions)."""
-    if route.kind == CUDA_RADIX:
-        from .cuda.topk import launch_cuda_topk
-
-        tc = ws.config.topk
-        launch_cuda_topk(logits, logits.stride(0), row_lens, active_width, out, k, width, nan_low=nan_low,
-                         threads=tc.cuda_threads, vec=tc.cuda_vec, cap=tc.cuda_cap)
-        return
-    launch = launch_sample_topk if route.kind == SAMPLE else launch_radix_topk
-    launch(logits, logits.stride(0), row_lens, active_width, ws, out, k, width, route.topk_chunks,
-           nan_low)
 
 
 def topk_indices(
@@ -219,10 +194,10 @@ def topk_indices(
     if rows == 0:
         return out
     ws = _workspace(workspace, rows, k, 0, logits.device)
-    route = ws.route(rows, width, 1, score=False)
+    route = ws.plan_call(rows, width, 1, score=False)
     counter = ws.unmapped if counter is None else counter
-    _launch_topk(route, logits, row_lens, active_width, ws, out, k, width, nan_low=True, pages=pages,
-                 unmapped=counter)
+    launch_topk(route, logits, row_lens, active_width, ws, out, k, width, nan_low=True, pages=pages,
+                unmapped=counter)
     if pages is not None:
         ref.assert_mapped(counter)
     return out
@@ -233,26 +208,6 @@ def _pages(page_table, page_size, rows: int, device: torch.device) -> tuple | No
     if page_table is None:
         return None
     return page_table, ref.check_page_table(page_table, page_size, rows, device)
-
-
-def _run_fused(q_fp8, weights, k_cache, block_table, row_lens, active, out, ws, k, page, width,
-               route: Route) -> Route:
-    """Run the fused step of ``route``; returns the route actually taken (unfused: not run).
-
-    A cooperative launch the device refuses (its programs would not all be resident) lowers the
-    workspace's programs per SM and plans again, so the first (warm-up) call settles the plan.
-    """
-    while route.fused:
-        try:
-            launch_fused_step(q_fp8, weights, k_cache, block_table, row_lens, active, out, ws,
-                              k=k, page=page, sel_width=width, route=route)
-            return route
-        except RuntimeError as exc:
-            if ws.fused_ctas_per_sm == 1 or "cooperative" not in str(exc).lower():
-                raise
-            ws.fused_ctas_per_sm //= 2
-            route = ws.route(out.shape[0], width, page)
-    return route
 
 
 def indexer_topk(
@@ -270,14 +225,16 @@ def indexer_topk(
     page_table: torch.Tensor | None = None,
     page_size: int | None = None,
     unmapped: torch.Tensor | None = None,
+    route: Route | None = None,
 ) -> torch.Tensor:
     """The whole decode indexer step, score then select (``int32 [rows, k]``; with ``page_table``
     KV-cache slots, ``page_size`` defaulting to the K cache's, positions without a slot counted
-    into ``unmapped``, else into the workspace's counter).
+    into ``unmapped``, else into the workspace's counter). ``route``: a step's planned route for
+    this call (its ``StepPlan`` fits ``workspace``), launched as is.
 
-    The route comes from ``route.plan_route`` (the call's rows and width): up to
-    ``config.fused.max_rows`` rows it is one fused launch whose scores stay in registers
-    (``triton_fused``); otherwise scores go to the workspace's internal buffer for live columns
+    The route is this call's (``planner.plan_route`` on its rows and width, ``workspace.plan_call``):
+    up to ``planner.FUSED_MAX_ROWS`` rows where the cluster top-k cannot run it is one fused launch
+    whose scores stay in registers; otherwise scores go to the workspace's buffer for live columns
     only (nothing is filled past a row's length), then the top-k launches run. Every route is
     bounded by the live lengths, whatever the width, and selects the same positions.
     """
@@ -290,33 +247,24 @@ def indexer_topk(
     out = _index_out(out, rows, k, q_fp8.device)
     if rows == 0:
         return out
-    ws = _workspace(workspace, rows, k, width, q_fp8.device)
-    counter = ws.unmapped if counter is None else counter
-    route = _run_fused(q_fp8, weights, k_cache, block_table, row_lens, active_width, out, ws, k, page,
-                       width, ws.route(rows, width, page))
-    if route.fused:
-        _slots(out, pages, counter)
+    if route is not None:  # a step's: planned for its workspace
+        counter = workspace.unmapped if counter is None else counter
+        run_step(route, workspace, q_fp8, weights, k_cache, block_table, row_lens, active_width, out, k=k,
+                 page=page, width=width, pages=pages, unmapped=counter)
         if pages is not None:
             ref.assert_mapped(counter)
         return out
-    logits = ws.logits
-    counts = scorer_counts_for(route, ws, pages)
-    ran = launch_score(
-        q_fp8, weights, k_cache, block_table, row_lens, active_width, logits, page_size=page,
-        sel_width=width, fill_width=0, splits=route.score_splits, config=ws.config.scorer,
-        kind=route.scorer, counts=counts,
-    )
-    _launch_topk(route, logits, row_lens, active_width, ws, out, k, width, nan_low=False, after_scorer=True,
-                 pages=pages, counts=counts if ran == CUDA else None, unmapped=counter)
+    ws = _workspace(workspace, rows, k, width, q_fp8.device)
+    counter = ws.unmapped if counter is None else counter
+    fits = scorer_fits(q_fp8, k_cache, block_table, page)
+    while True:
+        route = ws.plan_call(rows, width, page, scorer_fits=fits)
+        try:
+            run_step(route, ws, q_fp8, weights, k_cache, block_table, row_lens, active_width, out, k=k,
+                     page=page, width=width, pages=pages, unmapped=counter)
+            break
+        except CooperativeLaunchRefused:
+            ws.fused_ctas_per_sm //= 2  # the warm-up call settles the fused grid
     if pages is not None:
         ref.assert_mapped(counter)
     return out
-
-
-def scorer_counts_for(route: Route, ws: IndexerTopkWorkspace, pages: tuple | None) -> torch.Tensor | None:
-    """The workspace's pass-A counts where a step of ``route`` has the scorer count them for the top-k
-    (``topk.scorer_counts``: the CUDA scorer, then the CUDA top-k at one CTA a row, positions), else
-    None."""
-    take = (ws.config.topk.scorer_counts and route.scorer == CUDA and route.kind == CUDA_RADIX
-            and route.topk_cluster == 1 and pages is None)
-    return ws.counts if take else None
