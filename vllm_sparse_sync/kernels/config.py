@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields, replace
 
+import numpy as np
+
 TOPK_ALGOS = ("auto", "radix", "sample", "cuda_radix")
 
 
@@ -28,6 +30,16 @@ def _positive(name: str, v: object) -> None:
 def _flag(name: str, v: object) -> None:
     if not isinstance(v, bool):
         raise TypeError(f"{name}: must be a bool, got {v!r}")
+
+
+def _plain_values(obj) -> None:
+    """A frozen config's numpy integers and bools as Python ints and bools, before its checks."""
+    for f in fields(obj):
+        v = getattr(obj, f.name)
+        if isinstance(v, np.bool_):
+            object.__setattr__(obj, f.name, bool(v))
+        elif isinstance(v, np.integer):
+            object.__setattr__(obj, f.name, int(v))
 
 
 @dataclass(frozen=True)
@@ -94,6 +106,7 @@ class ScorerConfig:
     185; no gain at 32-64 rows of 64K)."""
 
     def __post_init__(self) -> None:
+        _plain_values(self)
         _flag("scorer.cuda", self.cuda)
         _flag("scorer.launch_dependents", self.launch_dependents)
         _flag("scorer.pdl", self.pdl)
@@ -167,6 +180,7 @@ class TopkConfig:
     top-k takes those counts instead of counting the row again. Off until measured on the GPU."""
 
     def __post_init__(self) -> None:
+        _plain_values(self)
         if self.algo not in TOPK_ALGOS:
             raise ValueError(f"topk.algo: one of {', '.join(TOPK_ALGOS)}, got {self.algo!r}")
         for name in ("block", "samples", "resolve_block", "warps", "resolve_warps"):
@@ -207,6 +221,7 @@ class FusedConfig:
     """Candidates per iteration of the row's one-program resolve."""
 
     def __post_init__(self) -> None:
+        _plain_values(self)
         _flag("fused.enabled", self.enabled)
         for name in ("max_rows", "ctas_per_sm", "max_parts", "stages"):
             _positive(f"fused.{name}", getattr(self, name))

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from .config import DEFAULT_CONFIG, KernelConfig
 
 FUSED, RADIX, SAMPLE, CUDA_RADIX = "fused", "radix", "sample", "cuda_radix"
@@ -72,6 +74,15 @@ class Route:
     @property
     def fused(self) -> bool:
         return self.kind == FUSED
+
+
+def _count(name: str, v: object) -> int:
+    """``v`` as a host int ``>= 0`` (``numpy.integer`` too, never a bool), else a ``ValueError``."""
+    if isinstance(v, np.integer) and not isinstance(v, np.bool_):
+        v = int(v)
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise ValueError(f"{name}: must be an int >= 0, got {v!r}")
+    return v
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -144,11 +155,8 @@ def plan_route(rows: int, width: int, page: int, device: DeviceInfo,
                config: KernelConfig = DEFAULT_CONFIG, *, score: bool = True) -> Route:
     """The route of one call: ``rows`` rows, logits width bound ``width`` (kernel rows), K-cache
     pages of ``page`` rows. ``score=False``: a top-k of given logits (never fused)."""
-    if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0:
-        raise ValueError(f"rows: must be an int >= 0, got {rows!r}")
-    if isinstance(width, bool) or not isinstance(width, int) or width < 0:
-        raise ValueError(f"width: must be an int >= 0, got {width!r}")
-    if isinstance(page, bool) or not isinstance(page, int) or page < 1 or page & (page - 1):
+    rows, width, page = _count("rows", rows), _count("width", width), _count("page", page)
+    if page < 1 or page & (page - 1):
         raise ValueError(f"page: must be a power of two, got {page!r}")
     sms = device.num_sms
     fc = config.fused
