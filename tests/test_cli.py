@@ -89,7 +89,7 @@ def test_the_audit_names_its_device_and_ends_with_a_verdict(capsys):
     assert main(["audit", "--path", "capture", "--path", "mtp-ragged", "--batches", "1", "--device", "cpu"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[0] == "device: cpu"
-    assert lines[-1].startswith("audit: ok: 2 paths x 1 batches") and "on cpu" in lines[-1]
+    assert lines[-1].startswith("audit: ok: 2 paths x 1 batch,") and "on cpu" in lines[-1]
 
 
 def test_a_failing_audit_says_so_in_its_last_line():

@@ -131,7 +131,8 @@ def run_audit(paths: Sequence[AuditPath] = AUDIT_PATHS, device: torch.device | N
     device = device or default_device()
     rows = []
     for i, path in enumerate(paths):
-        print(f"[{i + 1}/{len(paths)}] {path.name} ({batches} batches) ...", file=sys.stderr, flush=True)
+        print(f"[{i + 1}/{len(paths)}] {path.name} ({_count(batches, 'batch', 'batches')}) ...", file=sys.stderr,
+              flush=True)
         rows.append(audit_path(path, device, seed=seed + i * batches, batches=batches,
                                host_reads=host_reads))
     return rows
@@ -152,6 +153,10 @@ def format_table(rows: Sequence[AuditRow]) -> str:
     return "\n".join(lines + failures)
 
 
+def _count(n: int, one: str, many: str) -> str:
+    return f"{n} {one if n == 1 else many}"
+
+
 def device_name(device: torch.device) -> str:
     """The device in words: ``cpu``, or ``cuda:0 (NVIDIA H100 80GB HBM3)``."""
     device = torch.device(device)
@@ -170,8 +175,8 @@ def verdict(rows: Sequence[AuditRow], device: torch.device) -> str:
         return f"audit: FAIL: no path ran ({where})"
     if failed:
         return f"audit: FAIL: {len(failed)} of {len(rows)} paths ({', '.join(failed)}) ({where})"
-    return (f"audit: ok: {len(rows)} paths x {batches} batches, every bound covers its rows, same top-k, "
-            f"no host reads ({where})")
+    return (f"audit: ok: {_count(len(rows), 'path', 'paths')} x {_count(batches, 'batch', 'batches')}, every "
+            f"bound covers its rows, same top-k, no host reads ({where})")
 
 
 def format_report(rows: Sequence[AuditRow], device: torch.device) -> str:

@@ -73,6 +73,7 @@ class IndexerStep:
         self.unmapped = (self.workspace.unmapped if self.workspace is not None
                          else torch.zeros(1, dtype=torch.int32, device=self.device))
         """Selected positions written as ``-1`` for want of a slot, since the last ``health()``."""
+        self._checked: set[tuple] = set()  # input signatures check_inputs has passed
         self.plan: StepPlan | None = self._plan()
         """The kernels of every call this step can see (None: the torch reference, off CUDA)."""
 
@@ -173,7 +174,22 @@ class IndexerStep:
                      k_cache: object) -> None:
         """Host checks of a call's tensors against the layout and this step (metadata only): the
         rows, heads and head dim of ``q_fp8``, the device of every tensor, and a K cache of the
-        layout's page size."""
+        layout's page size. Each signature (shapes, dtypes, devices) is checked once."""
+        try:
+            key = (meta.num_rows, meta.row_lens.device, q_fp8.shape, q_fp8.dtype, q_fp8.device, weights.shape,
+                   weights.device, k_cache.shape, k_cache.dtype, k_cache.device, k_cache.stride(),
+                   k_cache.data_ptr() % 16)
+        except AttributeError:
+            key = None
+        if key is not None and key in self._checked:
+            return
+        self._check_inputs(meta, q_fp8, weights, k_cache)
+        if key is not None:
+            if len(self._checked) > 256:
+                self._checked.clear()
+            self._checked.add(key)
+
+    def _check_inputs(self, meta, q_fp8, weights, k_cache) -> None:
         lay = self.layout
         rows = meta.num_rows
         if not isinstance(q_fp8, torch.Tensor):

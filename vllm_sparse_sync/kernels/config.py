@@ -30,9 +30,10 @@ class KernelConfig:
     its setup while the previous one ends; False to profile each kernel on its own."""
 
     def __post_init__(self) -> None:
-        for name in ("precise", "cuda", "fused", "pdl"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"config.{name}: must be a bool, got {getattr(self, name)!r}")
+        from ..checks import flag
+
+        for name in ("precise", "cuda", "fused", "pdl"):  # (a numpy bool is stored as a bool)
+            object.__setattr__(self, name, flag(f"config.{name}", getattr(self, name)))
         if self.topk not in TOPK_CHOICES:
             raise ValueError(f"config.topk: one of {', '.join(TOPK_CHOICES)}, got {self.topk!r}")
 

@@ -241,7 +241,7 @@ def indexer_topk(
     page = _check_scorer(q_fp8, weights, k_cache, block_table, row_lens, active_width)
     rows = q_fp8.shape[0]
     k = ref.check_k(k)
-    width = block_table.shape[1] * page if width is None else ref.check_width(width)
+    width = ref.check_width(block_table.shape[1] * page if width is None else width)
     pages = _pages(page_table, page if page_size is None else page_size, rows, q_fp8.device)
     counter = ref.check_unmapped(unmapped, q_fp8.device)
     out = _index_out(out, rows, k, q_fp8.device)

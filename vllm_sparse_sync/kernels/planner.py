@@ -20,6 +20,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
+from .. import checks
 from ..table import text_table
 from .config import DEFAULT_CONFIG, KernelConfig
 
@@ -210,10 +211,10 @@ def plan_route(rows: int, width: int, page: int, device: DeviceInfo, config: Ker
     """The route of one call: ``rows`` rows, logits width bound ``width`` (kernel rows), K-cache
     pages of ``page`` rows. ``score=False``: a top-k of given logits (never fused).
     ``scorer_fits``: the call's tensors fit the CUDA scorer (``cuda.scorer.takes``)."""
-    if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0:
-        raise ValueError(f"rows: must be an int >= 0, got {rows!r}")
-    if isinstance(width, bool) or not isinstance(width, int) or width < 0:
-        raise ValueError(f"width: must be an int >= 0, got {width!r}")
+    rows, width = checks.host_int("rows", rows, low=0), checks.host_int("width", width, low=0)
+    page = checks.host_int("page", page, low=1)
+    if page & (page - 1):
+        raise ValueError(f"page: must be a power of two, got {page}")
     sms = device.num_sms
     if (score and config.fused and device.cooperative and 0 < rows <= FUSED_MAX_ROWS
             and not cluster_route(device, config)):
@@ -313,8 +314,7 @@ def plan_step(max_rows: int, widths: tuple[int, ...], page: int, device: DeviceI
               config: KernelConfig = DEFAULT_CONFIG, *, score: bool = True,
               scorer_fits: bool = True) -> StepPlan:
     """The routes of every call of 1..``max_rows`` rows at each width band (``widths``, ascending)."""
-    if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1:
-        raise ValueError(f"max_rows: must be an int >= 1, got {max_rows!r}")
+    max_rows = checks.host_int("max_rows", max_rows, low=1)
     if not widths or list(widths) != sorted(set(widths)) or widths[0] < 0:
         raise ValueError(f"widths: ascending band edges >= 0, got {widths!r}")
     routes = tuple(tuple(plan_route(rows, w, page, device, config, score=score, scorer_fits=scorer_fits)

@@ -406,7 +406,7 @@ def indexer_topk(
     _check_scorer_inputs(q_fp8, weights, k_cache, block_table, row_lens, active_width)
     k = check_k(k)
     page = page_size_of(k_cache, q_fp8.shape[2])
-    width = block_table.shape[1] * page if width is None else check_width(width)
+    width = check_width(block_table.shape[1] * page if width is None else width)
     if page_table is not None:
         check_page_table(page_table, page if page_size is None else page_size, q_fp8.shape[0], q_fp8.device)
     logits = paged_indexer_logits(

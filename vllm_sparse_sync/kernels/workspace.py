@@ -34,9 +34,13 @@ class IndexerTopkWorkspace:
         config: KernelConfig = DEFAULT_CONFIG,
         num_sms: int | None = None,
     ) -> None:
-        for name, v, low in (("rows", rows, 1), ("k", k, 1), ("width", width, 0)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < low:
-                raise ValueError(f"IndexerTopkWorkspace: {name} must be an int >= {low}, got {v!r}")
+        from .. import checks
+
+        try:
+            rows, k, width = (checks.host_int(name, v, low=low) for name, v, low in
+                              (("rows", rows, 1), ("k", k, 1), ("width", width, 0)))
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"IndexerTopkWorkspace: {exc}") from None
         if not isinstance(config, KernelConfig):
             raise TypeError(f"config: must be a KernelConfig, got {type(config).__name__}")
         self.device = torch.device(device)
