@@ -102,14 +102,15 @@ def unfused_splits(B: int, L: int, scorer: str = "triton") -> int:
     return score_splits(B, sms, scorer)
 
 
-def with_device(ws: IndexerTopkWorkspace, **changes) -> IndexerTopkWorkspace:
-    """``ws`` planning as if its device lacked something (``cuda_scorer=False``: the Triton scorer
-    beside the CUDA top-k; ``cluster_smem=0``: no cluster route): a benchmark's comparison only."""
+def without(config: KernelConfig, **changes) -> IndexerTopkWorkspace:
+    """A serving-size workspace planning as if its device lacked something (``cuda_scorer=False``:
+    the Triton scorer beside the CUDA top-k; ``cluster_smem=0``: no cluster route)."""
     import dataclasses
 
-    ws._device = dataclasses.replace(ws.device_info(), **changes)
-    ws._routes.clear()
-    return ws
+    from vllm_sparse_sync.kernels.device import device_info
+
+    info = dataclasses.replace(device_info(DEV, config), **changes)
+    return IndexerTopkWorkspace(SERVING_ROWS, TOPK, WIDE, DEV, config=config, device_info=info)
 
 
 def timeit(make_call, ncalls: int, iters: int = 15) -> float:
@@ -200,8 +201,7 @@ def bench_ours(inp: Inputs, ncalls: int, config, res: dict, algos: tuple[str, ..
     if kind != TRITON:  # the Triton scorer beside it and the step it makes; the CUDA e4m3 kernel
         res["scorer_triton_us"] = timeit(lambda i: scorer(i, kind=TRITON), ncalls)
         res["scorer_cuda_fp8_us"] = timeit(lambda i: scorer(i, cfg8, ws8.logits, kind), ncalls)
-        ws_t = with_device(IndexerTopkWorkspace(max(B, SERVING_ROWS), TOPK, WIDE, DEV, config=config),
-                           cuda_scorer=False)
+        ws_t = without(config, cuda_scorer=False)
         res["step_triton_us"] = timeit(lambda i: lambda: tk.indexer_topk(
             *inp.args(i), TOPK, width=L, workspace=ws_t, out=out), ncalls)
     res["step_fp8_us"] = timeit(lambda i: lambda: tk.indexer_topk(
@@ -213,8 +213,7 @@ def bench_ours(inp: Inputs, ncalls: int, config, res: dict, algos: tuple[str, ..
         res["step_unfused_us"] = timeit(lambda i: lambda: tk.indexer_topk(
             *inp.args(i), TOPK, width=L, workspace=ws_u, out=out), ncalls)
     elif config.fused and B <= FUSED_MAX_ROWS:  # the fused step the planner passed over
-        ws_f = with_device(IndexerTopkWorkspace(max(B, SERVING_ROWS), TOPK, WIDE, DEV, config=config),
-                           cluster_smem=0)
+        ws_f = without(config, cluster_smem=0)
         if ws_f.plan_call(B, L, PAGE).fused:
             res["step_fused_us"] = timeit(lambda i: lambda: tk.indexer_topk(
                 *inp.args(i), TOPK, width=L, workspace=ws_f, out=out), ncalls)

@@ -25,7 +25,7 @@ KERNEL_MODULES = [
     "vllm_sparse_sync.kernels.triton.fused",
     "vllm_sparse_sync.kernels.triton.dcp_merge",
     "vllm_sparse_sync.kernels.triton.slots",
-    "vllm_sparse_sync.kernels.triton_ops",
+    "vllm_sparse_sync.kernels.ops",
 ]
 if not CUDA:
     for _name in KERNEL_MODULES:  # re-decorate if something imported them before the variable was set

@@ -409,8 +409,8 @@ def test_numpy_integers_are_taken_wherever_a_host_int_is(np_int):
                        kernels.topk_indices(x, torch.tensor([64, 3]), 8))
     assert lengths.dcp_localize(np_int(9), np_int(2), np_int(1)) == 4
     assert replace(lay, dcp_world_size=np_int(2), dcp_rank=np_int(1)).dcp_rank == 1
-    cfg = kernels.DEFAULT_CONFIG.with_values(**{"topk.block": np_int(512), "fused.max_rows": np_int(4)})
-    assert cfg.topk.block == 512 and type(cfg.fused.max_rows) is int
+    cfg = kernels.DEFAULT_CONFIG.with_values(fused=np.bool_(False))
+    assert cfg.fused is False and type(cfg.fused) is bool
     assert kernels.plan_route(np_int(2), np_int(64), np_int(64), kernels.DeviceInfo(4)) == \
         kernels.plan_route(2, 64, 64, kernels.DeviceInfo(4))
     from vllm_sparse_sync.kernels.workspace import IndexerTopkWorkspace

@@ -311,16 +311,26 @@ def step_ab():
 
 
 def test_step_ab_reads_named_configs_the_configs_assignments_last(step_ab, indexer):
-    got = step_ab.parse_named(" cuda : scorer.cuda_fp8_min_tokens=1 ")
-    assert got == ("cuda", "scorer.cuda_fp8_min_tokens=1")
+    from vllm_sparse_sync.kernels import planner
+
+    got = step_ab.parse_named(" cuda : planner.CUDA_FP8_SCORER_MIN_TOKENS=1 ")
+    assert got == ("cuda", "planner.CUDA_FP8_SCORER_MIN_TOKENS=1")
     assert step_ab.parse_named("triton:") == ("triton", "")  # no assignments: the base alone
-    for bad in ("triton", ":scorer.precise=false", " :x=1"):
+    for bad in ("triton", ":precise=false", " :x=1"):
         with pytest.raises(ValueError, match="NAME:ASSIGNMENTS"):
             step_ab.parse_named(bad)
-    base = "scorer.precise=false,scorer.cuda_fp8_min_tokens=64"
-    assert step_ab.joined(base, "") == base and step_ab.joined("", "topk.algo=radix") == "topk.algo=radix"
-    cfg = indexer.parse_config(step_ab.joined(base, "scorer.cuda_fp8_min_tokens=1"))
-    assert cfg.scorer.cuda_fp8_min_tokens == 1 and cfg.scorer.precise is False  # the config's value wins
+    base = "precise=false,planner.CUDA_FP8_SCORER_MIN_TOKENS=64"
+    assert step_ab.joined(base, "") == base and step_ab.joined("", "topk=radix") == "topk=radix"
+    rest, constants = step_ab.split_constants(step_ab.joined(base, "planner.CUDA_FP8_SCORER_MIN_TOKENS=1"))
+    assert constants == {"CUDA_FP8_SCORER_MIN_TOKENS": 1}  # the config's value wins
+    assert indexer.parse_config(rest).precise is False
+    before = planner.CUDA_FP8_SCORER_MIN_TOKENS
+    with step_ab.Variant(indexer.parse_config(rest), constants) as cfg:  # set while its routes are planned
+        assert planner.CUDA_FP8_SCORER_MIN_TOKENS == 1 and cfg.precise is False
+    assert planner.CUDA_FP8_SCORER_MIN_TOKENS == before
+    for bad, why in (("planner.NOPE=1", "no int constant"), ("planner.SAMPLE_MIN_ROWS=x", "takes an int")):
+        with pytest.raises(ValueError, match=why):
+            step_ab.split_constants(bad)
 
 
 def test_step_ab_summarises_each_configs_median_round_and_its_ratio_to_the_first(step_ab):
@@ -351,13 +361,14 @@ def test_step_ab_exits_2_on_its_own_options_before_looking_for_a_gpu(step_ab, mo
     two = ["--config", "a:", "--config"]
     bad = [(["--config", "a:"], "--config: give at least two"),
            ([*two, "b"], "--config: expected NAME:ASSIGNMENTS"),
-           ([*two, "a:scorer.precise=false"], "--config: config name 'a' given twice"),
-           ([*two, "b:scorer.nope=1"], "--config: config key 'scorer.nope'"),
+           ([*two, "a:precise=false"], "--config: config name 'a' given twice"),
+           ([*two, "b:nope=1"], "--config: config: unknown field 'nope'"),
+           ([*two, "b:planner.nope=1"], "--config: config key 'planner.nope'"),
            ([*two, "b:", "--rounds", "0"], "--rounds and --iters: must be >= 1")]
     for argv, message in bad:
         assert main_exit_code(step_ab, argv, monkeypatch) == 2
         assert f"error: {message}" in capsys.readouterr().err, argv
-    monkeypatch.setattr(sys, "argv", ["step_ab.py", *two, "b:scorer.cuda_fp8_min_tokens=1"])
+    monkeypatch.setattr(sys, "argv", ["step_ab.py", *two, "b:planner.CUDA_FP8_SCORER_MIN_TOKENS=1"])
     with pytest.raises(AssertionError, match="require_cuda"):  # valid options: on to the GPU check
         step_ab.main()
 

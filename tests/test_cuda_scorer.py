@@ -13,8 +13,9 @@ import torch
 
 from vllm_sparse_sync.kernels.cuda import scorer as cuda_scorer
 from vllm_sparse_sync.kernels.cuda import topk as cuda_topk
-from vllm_sparse_sync.kernels.config import DEFAULT_CONFIG, ScorerConfig
-from vllm_sparse_sync.kernels.route import CUDA, TRITON, DeviceInfo, plan_route, scorer_for
+from vllm_sparse_sync.kernels import planner
+from vllm_sparse_sync.kernels.config import DEFAULT_CONFIG, KernelConfig
+from vllm_sparse_sync.kernels.planner import CUDA, TRITON, DeviceInfo, plan_route, scorer_for
 
 LBO, SBO = 128, 256  # the kernel's b_desc: K-adjacent and N-adjacent core matrices
 
@@ -94,91 +95,46 @@ def test_the_operand_layouts_compute_q_dot_k(precise, heads):
     assert torch.equal(d, keys @ q.T)
 
 
-def test_the_planner_takes_the_cuda_scorer_where_the_device_can():
+def test_the_planner_takes_the_cuda_scorer_where_the_device_can(monkeypatch):
     hopper = DeviceInfo(num_sms=132, cuda_topk=True, cluster_smem=200000, cuda_scorer=True)
     assert plan_route(64, 65536, 64, hopper).scorer == CUDA
     assert plan_route(8, 4096, 64, hopper).scorer == CUDA
-    assert plan_route(8, 4096, 64, hopper).score_splits == 132 * DEFAULT_CONFIG.scorer.cuda_ctas_per_sm // 8
-    assert plan_route(7, 2048, 64, hopper).scorer == TRITON  # fewer rows than scorer.cuda_min_rows
-    assert plan_route(7, 2048, 64, hopper).score_splits == 132 * DEFAULT_CONFIG.scorer.ctas_per_sm // 7
-    every = DEFAULT_CONFIG.with_values(**{"scorer.cuda_min_rows": 0})
-    assert plan_route(2, 1024, 64, hopper, every).scorer == CUDA
-    # the defaults: any row count from a bound of 4K (runs 90-94, 167)
-    assert DEFAULT_CONFIG.scorer.cuda_min_width == DEFAULT_CONFIG.scorer.cuda_one_row_min_width == 4096
+    assert plan_route(8, 4096, 64, hopper).score_splits == 132 * planner.CUDA_SCORER_CTAS_PER_SM // 8
+    assert plan_route(7, 2048, 64, hopper).scorer == TRITON  # fewer rows than CUDA_SCORER_MIN_ROWS
+    assert plan_route(7, 2048, 64, hopper).score_splits == 132 * planner.TRITON_SCORER_CTAS_PER_SM // 7
+    # any row count from a bound of CUDA_SCORER_MIN_WIDTH
+    width = planner.CUDA_SCORER_MIN_WIDTH
     for rows in (1, 2, 4, 7):
-        assert plan_route(rows, 4096, 64, hopper).scorer == CUDA
-        assert plan_route(rows, 4032, 64, hopper).scorer == TRITON
-    # fewer rows take it from a bound of scorer.cuda_min_width up (0: never by width)
-    cfg = DEFAULT_CONFIG.with_values(**{"scorer.cuda_min_width": 32768,
-                                        "scorer.cuda_one_row_min_width": 4096})
-    wide = cfg.scorer.cuda_min_width
-    assert plan_route(2, wide, 64, hopper, cfg).scorer == CUDA
-    assert plan_route(7, 131072, 64, hopper, cfg).scorer == CUDA
-    assert plan_route(1, 131072, 64, hopper, cfg).score_splits == 132 * cfg.scorer.cuda_ctas_per_sm
-    assert plan_route(2, wide - 1, 64, hopper, cfg).scorer == TRITON
-    # one row from scorer.cuda_one_row_min_width up (0: only from cuda_min_width)
-    one = cfg.scorer.cuda_one_row_min_width
-    assert plan_route(1, one, 64, hopper, cfg).scorer == CUDA
-    assert plan_route(1, one, 64, hopper, cfg).score_splits == 132 * cfg.scorer.cuda_ctas_per_sm
-    assert plan_route(1, one - 1, 64, hopper, cfg).scorer == TRITON
-    assert plan_route(2, one, 64, hopper, cfg).scorer == TRITON
-    by_wide = cfg.with_values(**{"scorer.cuda_one_row_min_width": 0})
-    assert plan_route(1, one, 64, hopper, by_wide).scorer == TRITON
-    assert plan_route(1, wide, 64, hopper, by_wide).scorer == CUDA
-    by_rows = by_wide.with_values(**{"scorer.cuda_min_width": 0})
-    assert plan_route(1, 131072, 64, hopper, by_rows).scorer == TRITON
-    assert plan_route(8, 4096, 64, hopper, by_rows).scorer == CUDA
-    for name in ("cuda_min_width", "cuda_one_row_min_width"):
-        with pytest.raises(ValueError, match=name):
-            DEFAULT_CONFIG.with_values(**{f"scorer.{name}": -1})
+        assert plan_route(rows, width, 64, hopper).scorer == CUDA
+        assert plan_route(rows, width - 64, 64, hopper).scorer == TRITON
+    assert plan_route(1, 131072, 64, hopper).score_splits == 132 * planner.CUDA_SCORER_CTAS_PER_SM
+    monkeypatch.setattr(planner, "CUDA_SCORER_MIN_ROWS", 0)  # every call, read when a plan is made
+    assert plan_route(2, 1024, 64, hopper).scorer == CUDA
     assert plan_route(64, 65536, 32, hopper).scorer == TRITON  # pages of another size
     assert plan_route(64, 65536, 64, DeviceInfo(num_sms=132)).scorer == TRITON
-    off = DEFAULT_CONFIG.with_values(**{"scorer.cuda": False})
-    fp8 = DEFAULT_CONFIG.with_values(**{"scorer.precise": False})  # no width: under cuda_fp8_min_tokens
+    off, fp8 = KernelConfig(cuda=False), KernelConfig(precise=False)  # fp8 with no width: too small
     assert scorer_for(64, 64, hopper, off) == TRITON and scorer_for(64, 64, hopper) == CUDA
     assert scorer_for(64, 64, hopper, fp8) == TRITON
 
 
-def test_the_e4m3_path_takes_the_cuda_scorer_only_where_asked():
-    """``scorer.cuda_fp8_min_tokens`` (rows x width bound) and ``scorer.cuda_fp8_one_row_min_width``
-    choose the CUDA kernel for the e4m3 path; the exact path's own thresholds never do."""
+def test_the_e4m3_path_takes_the_cuda_scorer_from_its_own_size():
+    """``CUDA_FP8_SCORER_MIN_TOKENS`` (rows x width bound) chooses the CUDA kernel for the e4m3
+    path; the exact path's thresholds never do."""
     hopper = DeviceInfo(num_sms=132, cuda_topk=True, cluster_smem=200000, cuda_scorer=True)
-    fp8 = DEFAULT_CONFIG.with_values(**{"scorer.precise": False, "scorer.cuda_fp8_min_tokens": 0,
-                                        "scorer.cuda_fp8_one_row_min_width": 0})
-    for rows, width in ((1, 4096), (1, 131072), (8, 65536), (64, 65536), (128, 8192)):
-        assert scorer_for(rows, 64, hopper, fp8, width) == TRITON
-        # the exact path's thresholds take these calls
-        assert scorer_for(rows, 64, hopper, DEFAULT_CONFIG, width) == CUDA
-    by_size = fp8.with_values(**{"scorer.cuda_fp8_min_tokens": 64 * 65536})
-    assert scorer_for(64, 64, hopper, by_size, 65536) == CUDA
-    assert scorer_for(32, 64, hopper, by_size, 131072) == CUDA
-    assert scorer_for(64, 64, hopper, by_size, 65535) == TRITON
-    assert scorer_for(1, 64, hopper, by_size, 131072) == TRITON
-    one = fp8.with_values(**{"scorer.cuda_fp8_one_row_min_width": 32768})
-    assert scorer_for(1, 64, hopper, one, 32768) == CUDA
-    assert scorer_for(1, 64, hopper, one, 32767) == TRITON
-    assert scorer_for(2, 64, hopper, one, 131072) == TRITON
-    assert plan_route(1, 65536, 64, hopper, one).scorer == CUDA
-    assert plan_route(1, 65536, 64, hopper, one).score_splits == 132 * DEFAULT_CONFIG.scorer.cuda_ctas_per_sm
-    # never where the kernel cannot run or is switched off
-    assert scorer_for(1, 64, DeviceInfo(num_sms=132), one, 65536) == TRITON
-    assert scorer_for(1, 32, hopper, one, 65536) == TRITON
-    assert scorer_for(1, 64, hopper, one.with_values(**{"scorer.cuda": False}), 65536) == TRITON
-    # the defaults: from 4K rows x width tokens (runs 156, 157, 165, 166), one row of 4K included
-    e4m3 = DEFAULT_CONFIG.with_values(**{"scorer.precise": False})
-    assert scorer_for(64, 64, hopper, e4m3, 65536) == CUDA
-    assert scorer_for(128, 64, hopper, e4m3, 8192) == CUDA
-    assert scorer_for(8, 64, hopper, e4m3, 65536) == CUDA
-    assert scorer_for(1, 64, hopper, e4m3, 65536) == CUDA
-    assert scorer_for(4, 64, hopper, e4m3, 16384) == CUDA
-    assert scorer_for(1, 64, hopper, e4m3, 32768) == CUDA
-    assert scorer_for(1, 64, hopper, e4m3, 4096) == CUDA
-    assert scorer_for(2, 64, hopper, e4m3, 2048) == CUDA
-    assert scorer_for(1, 64, hopper, e4m3, 4095) == TRITON
-    assert scorer_for(1, 64, hopper, e4m3, 2048) == TRITON
-    for name in ("cuda_fp8_min_tokens", "cuda_fp8_one_row_min_width"):
-        with pytest.raises(ValueError, match=name):
-            DEFAULT_CONFIG.with_values(**{f"scorer.{name}": -1})
+    e4m3 = KernelConfig(precise=False)
+    tokens = planner.CUDA_FP8_SCORER_MIN_TOKENS
+    for rows, width in ((64, 65536), (128, 8192), (8, 65536), (1, 65536), (4, 16384), (1, tokens),
+                        (2, tokens // 2)):
+        assert scorer_for(rows, 64, hopper, e4m3, width) == CUDA
+    for rows, width in ((1, tokens - 1), (1, tokens // 2), (7, 64)):
+        assert scorer_for(rows, 64, hopper, e4m3, width) == TRITON
+        assert scorer_for(rows, 64, hopper, DEFAULT_CONFIG, width) == (  # the exact path's own rule
+            CUDA if rows >= planner.CUDA_SCORER_MIN_ROWS or width >= planner.CUDA_SCORER_MIN_WIDTH else TRITON)
+    assert plan_route(1, 65536, 64, hopper, e4m3).score_splits == 132 * planner.CUDA_SCORER_CTAS_PER_SM
+    # never where the kernel cannot run, the pages do not fit or the CUDA routes are off
+    assert scorer_for(1, 64, DeviceInfo(num_sms=132), e4m3, 65536) == TRITON
+    assert scorer_for(1, 32, hopper, e4m3, 65536) == TRITON
+    assert scorer_for(1, 64, hopper, e4m3.with_values(cuda=False), 65536) == TRITON
 
 
 def test_takes_only_the_calls_the_kernel_is_built_for():
@@ -199,7 +155,7 @@ def test_the_ctas_of_the_grid_fit_one_sm():
     """An SM's 227 KB of opt-in shared memory (1 KB reserved per CTA) holds the grid's CTAs per
     SM of either path, the source's ring and warpgroups are the module's, and the grid asks for
     what the kernel's shared memory allows."""
-    assert DEFAULT_CONFIG.scorer.cuda_ctas_per_sm == cuda_scorer.CTAS_PER_SM
+    assert planner.CUDA_SCORER_CTAS_PER_SM == cuda_scorer.CTAS_PER_SM
     assert f"#define CONSUMERS {cuda_scorer.CONSUMERS}" in cuda_scorer.source()
     assert f"#define STAGES_DEEP {cuda_scorer.STAGES_DEEP} " in cuda_scorer.source()
     assert f"#define STAGES_SHORT {cuda_scorer.STAGES_SHORT} " in cuda_scorer.source()
@@ -220,13 +176,10 @@ NVRTC_OK, NVRTC_WHY = cuda_topk.compiler_status()
 
 
 @pytest.mark.skipif(not NVRTC_OK, reason=f"NVRTC unavailable: {NVRTC_WHY}")
-@pytest.mark.parametrize("counts", [False, True], ids=["plain", "counts"])
-@pytest.mark.parametrize("consumers", [cuda_scorer.CONSUMERS, cuda_scorer.NARROW_CONSUMERS])
-def test_the_source_compiles_for_sm90a_without_spills(consumers, counts):
-    """Both builds (the default and the narrow one), and each one's counts build, compile without
-    spills, in the registers their CTA per SM leaves each thread."""
-    defines = cuda_scorer.build_defines(consumers, counts)
-    text = "".join(f"#define {k} {v}\n" for k, v in defines) + cuda_scorer.source()
+def test_the_source_compiles_for_sm90a_without_spills():
+    """The build compiles without spills, in the registers its CTA per SM leaves each thread."""
+    consumers = cuda_scorer.CONSUMERS
+    text = cuda_scorer.source()
     _, log = cuda_topk.compile_source(cuda_scorer.ARCH, text=text, name="scorer.cu",
                                       extra_options=("--ptxas-options=-v",))
     found = re.findall(r"entry function '(\w+)'.*?(\d+) bytes spill stores.*?Used (\d+) registers", log, re.S)
@@ -244,8 +197,8 @@ def test_the_source_compiles_for_sm90a_without_spills(consumers, counts):
 @pytest.mark.skipif(not NVRTC_OK, reason=f"NVRTC unavailable: {NVRTC_WHY}")
 def test_the_default_build_copies_pages_evict_first():
     """The library's build is the one whose page copies carry the L2 evict-first policy
-    (KEYS_EVICT_FIRST=1: the logits stay in L2 for the top-k, benchmarks/NOTES.md run 154), not
-    the plain copy's (KEYS_EVICT_FIRST=0)."""
+    (KEYS_EVICT_FIRST=1: the logits stay in L2 for the top-k), not the plain copy's
+    (KEYS_EVICT_FIRST=0)."""
     default, _ = cuda_scorer.build_cubin(())
     assert default == cuda_scorer.build_cubin((("KEYS_EVICT_FIRST", 1),))[0]
     assert default != cuda_scorer.build_cubin((("KEYS_EVICT_FIRST", 0),))[0]
@@ -313,77 +266,6 @@ def test_the_ring_is_chosen_on_the_device_not_by_the_bound(monkeypatch):
         cuda_scorer.kernel_name(64, True, 7)
 
 
-def test_the_build_follows_the_row_count_not_the_bound():
-    """``consumers_for``: calls of 1 .. ``scorer.cuda_narrow_rows`` rows run the narrow build, every
-    other call (and every call where it is 0) the default one; nothing of the width bound enters.
-    Its macros, and a bad count refused by name; the config refuses a bad ``cuda_narrow_rows``."""
-    import inspect
-
-    from vllm_sparse_sync.kernels.config import ScorerConfig
-
-    narrow, full = cuda_scorer.NARROW_CONSUMERS, cuda_scorer.CONSUMERS
-    assert narrow < full
-    assert list(inspect.signature(cuda_scorer.consumers_for).parameters) == ["rows", "narrow_rows"]
-    assert DEFAULT_CONFIG.scorer.cuda_narrow_rows == 0  # opt-in until its hang is understood
-    assert [cuda_scorer.consumers_for(r, 1) for r in (1, 2, 8, 132)] == [narrow, full, full, full]
-    assert [cuda_scorer.consumers_for(r, 4) for r in (1, 4, 5)] == [narrow, narrow, full]
-    assert [cuda_scorer.consumers_for(r, 0) for r in (1, 2)] == [full, full]
-    assert cuda_scorer.build_defines(full) == ()
-    assert cuda_scorer.build_defines(narrow) == (("CONSUMERS", narrow),)
-    assert cuda_scorer.threads_for(narrow) == 288
-    with pytest.raises(ValueError, match="consumers"):
-        cuda_scorer.build_defines(3)
-    for bad in (-1, 1.0, True, "1"):
-        with pytest.raises(ValueError, match="cuda_narrow_rows"):
-            ScorerConfig(cuda_narrow_rows=bad)
-    # the narrow build's ring: each consumer owns whole slots of both rings
-    for stages in (cuda_scorer.STAGES_DEEP, cuda_scorer.STAGES_SHORT):
-        assert stages % narrow == 0
-
-
-@pytest.mark.parametrize("rows, narrow_rows, consumers", [(1, 1, 2), (2, 1, 4), (1, 0, 4), (3, 4, 2)])
-def test_the_launch_takes_the_build_of_its_row_count(monkeypatch, rows, narrow_rows, consumers):
-    """``launch_cuda_score`` without a module launches the build ``consumers_for`` names, with that
-    build's threads, on the same grid; a module passed in is used as is (CPU: the compile and the
-    launch are stand-ins that record what they are given)."""
-    from vllm_sparse_sync.kernels.config import ScorerConfig
-
-    built, launched = [], []
-
-    class FakeModule:
-        def __init__(self, defines):
-            self.threads = cuda_scorer.threads_for(dict(defines).get("CONSUMERS", cuda_scorer.CONSUMERS))
-
-        def function(self, heads, precise, stages):
-            return (heads, precise, stages)
-
-    def fake_module_for(index, defines=()):
-        built.append(tuple(defines))
-        return FakeModule(defines)
-
-    monkeypatch.setattr(cuda_scorer, "module_for", fake_module_for)
-    monkeypatch.setattr(cuda_scorer, "_index", lambda device: 0)
-    monkeypatch.setattr(cuda_topk, "launch_values",
-                        lambda mod, fn, grid, threads, smem, values, device, *, pdl:
-                        launched.append((grid, threads, pdl)))
-    q = torch.zeros(rows, 64, 128, dtype=torch.uint8)
-    w = torch.zeros(rows, 64)
-    cache = torch.zeros(4, cuda_scorer.SLOT_BYTES, dtype=torch.uint8)
-    table = torch.zeros(rows, 2, dtype=torch.int32)
-    lens = torch.zeros(rows, dtype=torch.int32)
-    out = torch.zeros(rows, 128)
-    pdl = rows % 2 == 1  # the scorer.pdl flag reaches the launch either way
-    cfg = ScorerConfig(cuda_narrow_rows=narrow_rows, pdl=pdl)
-    args = (q, w, cache, table, lens, None, out)
-    cuda_scorer.launch_cuda_score(*args, page_size=64, sel_width=128, fill_width=0, splits=5, config=cfg)
-    assert built == [cuda_scorer.build_defines(consumers)]
-    assert launched == [((rows, 5, 1), cuda_scorer.threads_for(consumers), pdl)]
-    given = FakeModule(())
-    cuda_scorer.launch_cuda_score(*args, page_size=64, sel_width=128, fill_width=0, splits=5, config=cfg,
-                                  module=given)
-    assert len(built) == 1 and launched[-1] == ((rows, 5, 1), cuda_scorer.THREADS, pdl)
-
-
 def _code(text: str) -> str:
     """``text`` without its comments."""
     return re.sub(r"//[^\n]*|/\*.*?\*/", "", text, flags=re.S)
@@ -396,7 +278,7 @@ def _function_body(src: str, signature: str) -> str:
 
 
 def test_the_scorer_waits_for_the_previous_kernel_before_any_global_access():
-    """A dependent launch of the scorer (``scorer.pdl``) may start while the kernel ahead of it
+    """A dependent launch of the scorer (``KernelConfig.pdl``) may start while the kernel ahead of it
     runs: every CTA waits for it (``griddepcontrol.wait``, compiled in by default) before it
     touches any pointer it was given, and only then lets its own dependents launch, so the top-k's
     live lengths read before its own wait (``lens_early``) see every earlier kernel's writes."""
@@ -409,9 +291,9 @@ def test_the_scorer_waits_for_the_previous_kernel_before_any_global_access():
     before = set(re.findall(r"[A-Za-z_]\w*", body[:wait]))
     pointers = {"q", "w", "kc", "bt", "lens", "active", "out", "load_int", "bulk_copy"}
     assert not before & pointers, f"used before the wait: {sorted(before & pointers)}"
-    assert ScorerConfig().pdl is True
-    with pytest.raises(TypeError, match="scorer.pdl"):
-        ScorerConfig(pdl=1)
+    assert KernelConfig().pdl is True
+    with pytest.raises(TypeError, match="config.pdl"):
+        KernelConfig(pdl=1)
 
 
 def test_the_top_k_lets_the_next_kernel_launch_once_its_own_wait_is_over():
@@ -433,52 +315,3 @@ def test_the_dependent_launch_attribute_is_programmatic_stream_serialization():
     attr = cuda_topk.pdl_launch_attribute(driver)
     assert attr.id == driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
     assert attr.value.programmaticStreamSerializationAllowed == 1
-
-
-@pytest.mark.skipif(not NVRTC_OK, reason=f"NVRTC unavailable: {NVRTC_WHY}")
-def test_only_the_counts_build_counts_and_it_takes_two_more_parameters():
-    """``SCORER_COUNTS=1`` adds a global atomic add per written score (the row's pass-A count)
-    and the counts' pointer and row stride to every entry; the plain build has neither."""
-    def ptx(defines):
-        text = "".join(f"#define {k} {v}\n" for k, v in defines) + cuda_scorer.source()
-        code, _ = cuda_topk.compile_source(cuda_scorer.ARCH, output="ptx", text=text, name="scorer.cu")
-        return code.decode(errors="replace")
-
-    plain, counted = ptx(cuda_scorer.build_defines(4)), ptx(cuda_scorer.build_defines(4, counts=True))
-    entries = re.compile(r"\.entry (score_\w+)\((.*?)\)", re.S)
-    params = {name: body.count(".param") for name, body in entries.findall(plain)}
-    assert params and {name: body.count(".param") for name, body in entries.findall(counted)} == {
-        name: n + 2 for name, n in params.items()}
-    atomics = re.compile(r"(?:red|atom)\.global\.add\.u32")
-    assert not atomics.search(plain)
-    assert len(atomics.findall(counted)) == len(params)  # one site an entry: store_scores
-
-
-def test_the_counts_reach_the_counts_build_and_its_launch(monkeypatch):
-    """``launch_cuda_score(counts=...)`` checks the counts, loads the counts build of the call's
-    row count and passes the counts' pointer and row stride last (CPU: stand-ins record it)."""
-    built, launched = [], []
-    monkeypatch.setattr(cuda_scorer, "module_for",
-                        lambda index, defines=(): built.append(tuple(defines)) or type(
-                            "M", (), {"threads": 544, "function": lambda self, *a: a})())
-    monkeypatch.setattr(cuda_scorer, "_index", lambda device: 0)
-    monkeypatch.setattr(cuda_topk, "launch_values",
-                        lambda mod, fn, grid, threads, smem, values, device, *, pdl: launched.append(values))
-    rows = 3
-    args = (torch.zeros(rows, 64, 128, dtype=torch.uint8), torch.zeros(rows, 64),
-            torch.zeros(4, cuda_scorer.SLOT_BYTES, dtype=torch.uint8),
-            torch.zeros(rows, 2, dtype=torch.int32),
-            torch.zeros(rows, dtype=torch.int32), None, torch.zeros(rows, 128))
-    cfg = ScorerConfig(cuda_narrow_rows=0)
-    counts = torch.zeros(rows + 1, cuda_topk.COUNTS_WORDS, dtype=torch.int32)
-    cuda_scorer.launch_cuda_score(*args, page_size=64, sel_width=128, fill_width=0, splits=2, config=cfg,
-                                  counts=counts)
-    cuda_scorer.launch_cuda_score(*args, page_size=64, sel_width=128, fill_width=0, splits=2, config=cfg)
-    assert built == [cuda_scorer.build_defines(4, counts=True), cuda_scorer.build_defines(4)]
-    assert built[0] == (("SCORER_COUNTS", 1),)
-    with_counts, without = launched
-    assert len(with_counts) == len(without) + 2
-    assert with_counts[-2].value == counts.data_ptr() and with_counts[-1].value == cuda_topk.COUNTS_WORDS
-    with pytest.raises(ValueError, match="counts"):
-        cuda_scorer.launch_cuda_score(*args, page_size=64, sel_width=128, fill_width=0, splits=2, config=cfg,
-                                      counts=counts[:2])

@@ -1,4 +1,4 @@
-"""The CUDA wgmma scorer (``kernels.cuda_scorer``) on a compute-capability-9.0 device, against the
+"""The CUDA wgmma scorer (``kernels.cuda.scorer``) on a compute-capability-9.0 device, against the
 torch reference: random lengths, tables with holes and out-of-range pages, both heads counts,
 both length and table dtypes, the active-width clamp, the dense tail fill, NaN weights, the
 exact and the e4m3 path, the rings (short, deep, chosen per program from its live tiles) and a
@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from late_writer import late_copier
 
 from vllm_sparse_sync.kernels import reference as ref
-from vllm_sparse_sync.kernels.config import DEFAULT_CONFIG, ScorerConfig
+from vllm_sparse_sync.kernels.config import DEFAULT_CONFIG
 from vllm_sparse_sync.kernels.synth import make_case
 from vllm_sparse_sync.testing import decode_graph
 
@@ -55,28 +55,10 @@ def _ring(deep):
         cuda_scorer.DEEP_TILES = saved
 
 
-@contextlib.contextmanager
-def _builds_launched():
-    """The builds (``module_for``'s defines) the launches inside ask for, in order."""
-    from vllm_sparse_sync.kernels.cuda import scorer as cuda_scorer
-
-    seen, real = [], cuda_scorer.module_for
-
-    def spy(index, defines=()):
-        seen.append(tuple(defines))
-        return real(index, defines)
-
-    cuda_scorer.module_for = spy
-    try:
-        yield seen
-    finally:
-        cuda_scorer.module_for = real
-
-
 def _score(case, width, *, precise, active=None, fill=True, splits=None, lens=None, table=None, deep=None,
-           module=None, narrow_rows=0):
+           module=None):
     from vllm_sparse_sync.kernels.cuda import scorer as cuda_scorer
-    from vllm_sparse_sync.kernels.route import score_splits
+    from vllm_sparse_sync.kernels.planner import score_splits
 
     table = case.block_table if table is None else table
     lens = case.row_lens if lens is None else lens
@@ -85,11 +67,10 @@ def _score(case, width, *, precise, active=None, fill=True, splits=None, lens=No
     out = torch.full((rows, width), 7.0, device=DEV)  # a sentinel where nothing is written
     splits = splits or score_splits(rows, torch.cuda.get_device_properties(0).multi_processor_count)
     assert cuda_scorer.takes(case.q_fp8, case.k_cache, table, 64, splits)
-    cfg = ScorerConfig(precise=precise, cuda_narrow_rows=narrow_rows)
     with _ring(deep):
         cuda_scorer.launch_cuda_score(case.q_fp8, case.weights, case.k_cache, table, lens, active, out,
                                       page_size=64, sel_width=sel, fill_width=width if fill else 0,
-                                      splits=splits, config=cfg, module=module)
+                                      splits=splits, precise=precise, module=module)
     return out
 
 
@@ -161,25 +142,27 @@ def test_any_split_count_scores_every_tile(splits, deep):
     _check(got, ref.paged_indexer_logits(*case.args, 20480), True, [20480] * 4)
 
 
-def test_the_step_takes_the_cuda_scorer_and_stays_exact():
-    from vllm_sparse_sync.kernels import triton_ops
+def test_the_step_takes_the_cuda_scorer_and_stays_exact(monkeypatch):
+    from vllm_sparse_sync.kernels import ops, planner
     from vllm_sparse_sync.kernels.verify import topk_violations
     from vllm_sparse_sync.kernels.workspace import IndexerTopkWorkspace
 
-    lens = [0, 1000, 2049, 30000, 64 * 200, 5, 64, 4097]  # scorer.cuda_min_rows rows
+    lens = [0, 1000, 2049, 30000, 64 * 200, 5, 64, 4097]
+    assert len(lens) == planner.CUDA_SCORER_MIN_ROWS
     case = make_case(lens, heads=64, device=DEV, seed=13)
     width = case.block_table.shape[1] * 64
+    assert width >= planner.CUDA_SCORER_MIN_WIDTH
     ws = IndexerTopkWorkspace(len(lens), 2048, width, DEV)
-    assert ws.route(len(lens), width, 64).scorer == "cuda"
-    assert ws.route(len(lens) - 1, width, 64).scorer == "cuda"  # a bound of scorer.cuda_min_width
-    by_rows = DEFAULT_CONFIG.with_values(**{"scorer.cuda_min_width": 0, "scorer.cuda_one_row_min_width": 0})
-    rows_only = IndexerTopkWorkspace(len(lens), 2048, width, DEV, config=by_rows)
-    assert rows_only.route(len(lens), width, 64).scorer == "cuda"
-    assert rows_only.route(len(lens) - 1, width, 64).scorer == "triton"
-    got = triton_ops.indexer_topk(*case.args, 2048, workspace=ws)
+    assert ws.plan_call(len(lens), width, 64).scorer == "cuda"
+    assert ws.plan_call(len(lens) - 1, width, 64).scorer == "cuda"  # by its width bound
+    got = ops.indexer_topk(*case.args, 2048, workspace=ws)
     want = ref.paged_indexer_logits(*case.args, width)
     finite = want[torch.isfinite(want)]
     assert topk_violations(got, want, case.row_lens.long(), 2048, tol=1e-5 * float(finite.abs().max())) == []
+    monkeypatch.setattr(planner, "CUDA_SCORER_MIN_WIDTH", 2**31)  # by rows only
+    rows_only = IndexerTopkWorkspace(len(lens), 2048, width, DEV)
+    assert rows_only.plan_call(len(lens), width, 64).scorer == "cuda"
+    assert rows_only.plan_call(len(lens) - 1, width, 64).scorer == "triton"
 
 
 @pytest.mark.parametrize("deep", [None, 3])
@@ -191,13 +174,11 @@ def test_capture_then_replay_with_new_lengths(deep):
     out = torch.full((3, 6400), 7.0, device=DEV)
     from vllm_sparse_sync.kernels.cuda import scorer as cuda_scorer
 
-    cfg = DEFAULT_CONFIG.scorer
     cuda_scorer.warmup(DEV)
 
     def step():
         cuda_scorer.launch_cuda_score(case.q_fp8, case.weights, case.k_cache, case.block_table, case.row_lens,
-                                      None, out, page_size=64, sel_width=6400, fill_width=0, splits=40,
-                                      config=cfg)
+                                      None, out, page_size=64, sel_width=6400, fill_width=0, splits=40)
 
     step()
     torch.cuda.synchronize()
@@ -212,20 +193,17 @@ def test_capture_then_replay_with_new_lengths(deep):
         _check(out, ref.paged_indexer_logits(*case.args, 6400), True, lens)
 
 
-@pytest.mark.parametrize("consumers", [4, 2])
 @pytest.mark.parametrize("deep", [True, False, MIXED])
 @pytest.mark.parametrize("precise", [True, False])
-def test_the_ring_holds_under_shuffled_timings(deep, precise, consumers):
-    """The library source built with ``RING_STRESS_NS`` (both builds: 4 and 2 consumer
-    warpgroups, whose slots and issue lanes differ): producer lanes and consumer warpgroups
+def test_the_ring_holds_under_shuffled_timings(deep, precise):
+    """The library source built with ``RING_STRESS_NS``: producer lanes and consumer warpgroups
     pause pseudo-randomly (up to 3 us a tile), so copies are issued and slots read out of their
     usual order; every score still matches the reference. Guards the ring's barrier phases (a
-    slot refilled before its reader arrived, a wait passing on a stale parity: run 73's crash). In
-this build a wait longer than 2 s traps, so a deadlocked ring fails here instead of hanging."""
+    slot refilled before its reader arrived, a wait passing on a stale parity). In this build a
+    wait longer than 2 s traps, so a deadlocked ring fails here instead of hanging."""
     from vllm_sparse_sync.kernels.cuda import scorer as cuda_scorer
 
-    defines = cuda_scorer.build_defines(consumers) + (("RING_STRESS_NS", 3000),)
-    mod = cuda_scorer.module_for(torch.cuda.current_device(), defines)
+    mod = cuda_scorer.module_for(torch.cuda.current_device(), (("RING_STRESS_NS", 3000),))
     case = make_case([30000, 64 * 300 + 5, 9000], heads=64, device=DEV, seed=21)
     width = case.block_table.shape[1] * 64
     want = ref.paged_indexer_logits(*case.args, width)
@@ -258,74 +236,18 @@ def test_every_key_byte_scores_as_the_reference(heads):
         _check(_score(case, width, precise=True, splits=splits), want, True, [width] * 3)
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    n=st.integers(0, 20000),
-    heads=st.sampled_from([64, 32]),
-    precise=st.booleans(),
-    wide=st.booleans(),
-    splits=st.sampled_from([None, 1, 7]),
-    deep=st.sampled_from([False, MIXED]),
-    seed=st.integers(0, 2**16),
-)
-def test_one_row_runs_the_narrow_build_and_scores_as_the_default(n, heads, precise, wide, splits, deep, seed):
-    """A one-row call with ``scorer.cuda_narrow_rows=1`` launches the narrow build; its scores are
-    the reference's and bit for bit the default build's, at any live length under either bound."""
-    from vllm_sparse_sync.kernels.cuda import scorer as cuda_scorer
-
-    narrow = cuda_scorer.NARROW_CONSUMERS
-    case = make_case([n], heads=heads, table_pages=320, device=DEV, seed=seed)
-    width = 320 * 64 if wide else max(64, n)
-    default = cuda_scorer.module_for(torch.cuda.current_device())
-    with _builds_launched() as builds:
-        got = _score(case, width, precise=precise, splits=splits, deep=deep, narrow_rows=1)
-    assert builds == [cuda_scorer.build_defines(narrow)]
-    base = _score(case, width, precise=precise, splits=splits, deep=deep, module=default)
-    assert torch.equal(got.view(torch.int32), base.view(torch.int32))
-    _check(got, ref.paged_indexer_logits(*case.args, width), precise, [width])
-
-
-def test_a_captured_one_row_step_replays_on_the_narrow_build():
-    """One row captured (the narrow build, warmed up first) replays with new lengths, from one
-    tile a program to many."""
-    from vllm_sparse_sync.kernels.cuda import scorer as cuda_scorer
-
-    case = make_case([64], heads=64, table_pages=400, device=DEV, seed=17)
-    out = torch.full((1, 25600), 7.0, device=DEV)
-    cuda_scorer.warmup(DEV)
-
-    def step():
-        cuda_scorer.launch_cuda_score(case.q_fp8, case.weights, case.k_cache, case.block_table, case.row_lens,
-                                      None, out, page_size=64, sel_width=25600, fill_width=0, splits=132,
-                                      config=ScorerConfig(cuda_narrow_rows=1))
-
-    with _builds_launched() as builds:
-        step()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
-    assert builds == [cuda_scorer.build_defines(cuda_scorer.NARROW_CONSUMERS)] * 2
-    for n in (4096, 25600, 1, 8191):
-        out.fill_(7.0)
-        case.row_lens.fill_(n)
-        graph.replay()
-        torch.cuda.synchronize()
-        _check(out, ref.paged_indexer_logits(*case.args, 25600), True, [n])
-
-
 def _chained_outputs(cases, ws, steps, k):
     """Each of ``steps`` steps in one CUDA graph on ``cases[i % len(cases)]``, every step on ``ws``
     (one logits buffer: a step's scorer overwrites the scores the step before it selects from)
     into its own output; the outputs after one replay."""
-    from vllm_sparse_sync.kernels import triton_ops
+    from vllm_sparse_sync.kernels import ops
 
     rows = cases[0].row_lens.numel()
     outs = [torch.full((rows, k), -7, dtype=torch.int32, device=DEV) for _ in range(steps)]
 
     def run():
         for i, out in enumerate(outs):
-            triton_ops.indexer_topk(*cases[i % len(cases)].args, k, workspace=ws, out=out)
+            ops.indexer_topk(*cases[i % len(cases)].args, k, workspace=ws, out=out)
 
     graph = decode_graph(run)  # also: no host sync in the chained capture
     for out in outs:
@@ -339,18 +261,18 @@ def test_chained_steps_select_what_each_step_alone_does():
     """The scorer is a dependent launch after the step before it, whose top-k lets it launch once
     its own wait is over: it must wait for that top-k before it writes the logits the top-k still
     reads. Steps chained in a graph select exactly what each step does alone."""
-    from vllm_sparse_sync.kernels import triton_ops
+    from vllm_sparse_sync.kernels import ops
     from vllm_sparse_sync.kernels.workspace import IndexerTopkWorkspace
 
     k, width = 2048, 4096
     cases = [make_case([4096], heads=64, table_pages=width // 64, device=DEV, seed=40 + s) for s in range(4)]
     ws = IndexerTopkWorkspace(1, k, width, DEV)
-    route = ws.route(1, width, 64)
-    assert route.scorer == "cuda" and route.kind == "cuda_radix" and ws.config.scorer.pdl
-    alone = IndexerTopkWorkspace(1, k, width, DEV, config=DEFAULT_CONFIG.with_values(**{"scorer.pdl": False}))
+    route = ws.plan_call(1, width, 64)
+    assert route.scorer == "cuda" and route.kind == "cuda_radix" and ws.config.pdl
+    alone = IndexerTopkWorkspace(1, k, width, DEV, config=DEFAULT_CONFIG.with_values(pdl=False))
     want = []
     for case in cases:
-        want.append(triton_ops.indexer_topk(*case.args, k, workspace=alone).clone())
+        want.append(ops.indexer_topk(*case.args, k, workspace=alone).clone())
         torch.cuda.synchronize()
     for _ in range(3):
         outs = _chained_outputs(cases, ws, 48, k)
@@ -363,7 +285,7 @@ def test_the_scorer_reads_what_the_kernel_before_it_wrote(waits):
     step's scorer (a dependent launch) scores with the new weights: it waits for that kernel
     before it reads them. A scorer built without the wait (``PDL_WAIT=0``, planted) reads the old
     ones, and the selection follows them."""
-    from vllm_sparse_sync.kernels import triton_ops
+    from vllm_sparse_sync.kernels import ops
     from vllm_sparse_sync.kernels.cuda import scorer as cuda_scorer
     from vllm_sparse_sync.kernels.workspace import IndexerTopkWorkspace
 
@@ -371,11 +293,11 @@ def test_the_scorer_reads_what_the_kernel_before_it_wrote(waits):
     case = make_case([4096, 3000], heads=64, table_pages=width // 64, device=DEV, seed=77)
     w_old, w_new = case.weights.clone(), -case.weights
     ws = IndexerTopkWorkspace(2, k, width, DEV)
-    assert ws.route(2, width, 64).scorer == "cuda" and ws.config.scorer.pdl
+    assert ws.plan_call(2, width, 64).scorer == "cuda" and ws.config.pdl
     want = {}
     for name, wt in (("old", w_old), ("new", w_new)):
         case.weights.copy_(wt)
-        want[name] = _sets(triton_ops.indexer_topk(*case.args, k, workspace=ws))
+        want[name] = _sets(ops.indexer_topk(*case.args, k, workspace=ws))
     assert not torch.equal(want["old"], want["new"])
     copy = late_copier(DEV)
     real = cuda_scorer.module_for
@@ -388,7 +310,7 @@ def test_the_scorer_reads_what_the_kernel_before_it_wrote(waits):
             torch.cuda.synchronize()
             # 20 ms late: 2 ms lost the planted race once under four xdist workers on one GPU
             copy(case.weights, w_new, 20_000_000)
-            triton_ops.indexer_topk(*case.args, k, workspace=ws, out=out)
+            ops.indexer_topk(*case.args, k, workspace=ws, out=out)
             torch.cuda.synchronize()
     finally:
         cuda_scorer.module_for = real

@@ -251,9 +251,8 @@ def test_the_cluster_launch_refuses_logits_narrower_than_the_host_width():
 
 def test_the_kernel_source_uses_the_emulation_constants():
     src = cuda_topk.source()
-    for name in ("RANGE_PAD", "SOLO_MAX", "TIE_MAX", "SOLO_TIE_MAX", "SOLO_EXP_LO", "COUNTS_BINS"):
+    for name in ("RANGE_PAD", "SOLO_MAX", "TIE_MAX", "SOLO_TIE_MAX", "SOLO_EXP_LO"):
         assert f"#define {name} {getattr(emu, name)} " in src, name
-    assert cuda_topk.COUNTS_BINS == emu.COUNTS_BINS
     assert f"#define CLUSTER_UNROLL {emu.REG_GROUPS} " in src
     assert emu.WIDE_SPLIT_KEYS == cuda_topk.WIDE_CLUSTER_MIN_KEYS == 65536
     assert "#define WIDE_SPLIT_KEYS (8 * 8192) " in src
@@ -725,10 +724,9 @@ def test_step_timeline_times_the_configured_step_and_refuses_a_bad_config_before
 
     tl = _bench_tool("step_timeline")
     ap = argparse.ArgumentParser()
-    assert tl.step_config(ap, "scorer.precise=false").scorer.precise is False
+    assert tl.step_config(ap, "precise=false").precise is False
     assert tl.step_config(ap, "") == DEFAULT_CONFIG
-    for bad, why in (("scorer.precise=maybe", "must be a bool"), ("scorer.nope=1", "scorer.nope"),
-                     ("topk.scorer_counts=true", "stamps the positions module only")):
+    for bad, why in (("precise=maybe", "takes true or false"), ("nope=1", "nope")):
         monkeypatch.setattr(sys, "argv", ["step_timeline.py", "--shapes", "1x4096", "--config", bad])
         with pytest.raises(SystemExit) as exc:
             tl.main()
@@ -775,140 +773,3 @@ def test_benchmark_cases_parse_to_the_planner_launches():
         ph.parse_cases("1:0x4096", 132, H200_SMEM)
     with pytest.raises(ValueError, match="cluster threads"):
         ph.parse_cases("1:1x4096@256", 132, H200_SMEM)
-
-
-# ------------------------------------------------------------------ the scorer's pass-A counts
-
-
-@pytest.mark.skipif(not NVRTC_OK, reason=f"NVRTC unavailable: {NVRTC_WHY}")
-def test_the_counts_module_holds_the_one_cta_counts_entries_and_nothing_else():
-    """``TOPK_COUNTS_MODULE=1``: the four one-CTA positions entries that take the scorer's counts,
-    no other kernel, no spills, within the registers and static shared memory of the library's."""
-    options = (*cuda_topk.COUNTS_OPTIONS, "--ptxas-options=-v")
-    code, log = cuda_topk.compile_source("sm_90", extra_options=options)
-    assert len(code) > 1000
-    names = re.findall(r"Function properties for (\w+)", log)
-    want = sorted(cuda_topk.cluster_kernel_name(1, a, t, counts=True) for a in (True, False)
-                  for t in cuda_topk.CLUSTER_THREADS)
-    assert sorted(names) == want, names
-    for line in (ln for ln in log.splitlines() if "spill" in ln):
-        assert re.findall(r"(\d+) bytes spill", line) == ["0", "0"], line
-    regs = [int(r) for r in re.findall(r"Used (\d+) registers", log)]
-    assert len(regs) == 4 and max(regs) <= 64, regs
-    static = re.findall(r"(\d+) bytes smem", log)
-    assert static and max(int(b) for b in static) <= cuda_topk.STATIC_SMEM_RESERVE
-
-
-def test_the_kernel_sources_take_order_keys_and_bins_from_one_header():
-    """``keys.cuh`` is pasted where each source includes it (``resolve_includes``): one
-    definition of the key and pass-A bin in each whole source, so the scorer's counts bin each
-    score as the top-k does; a line that includes another file is left as it is."""
-    from vllm_sparse_sync.kernels.cuda import scorer as cuda_scorer
-
-    for text in (cuda_topk.source(), cuda_scorer.source()):
-        assert '#include "keys.cuh"' not in text
-        assert text.count("__device__ __forceinline__ u32 order_key(float x, int nan_low)") == 1
-        assert text.count("__device__ __forceinline__ u32 solo_bin(u32 u)") == 1
-    other = '#include <cuda_fp16.h>\n#include "keys.cuh"  // keys\nint x;\n'
-    got = cuda_topk.resolve_includes(other)
-    assert got.startswith("#include <cuda_fp16.h>\n") and got.endswith("int x;\n") and "solo_bin" in got
-
-
-def test_the_counts_entries_are_one_cta_positions_entries():
-    assert cuda_topk.cluster_kernel_name(1, True, 512, counts=True) == "topk_cluster_c1_t512_a1_counts"
-    for cluster, slots in ((2, False), (1, True)):
-        with pytest.raises(ValueError, match="counts entries"):
-            cuda_topk.cluster_kernel_name(cluster, True, 1024, slots=slots, counts=True)
-
-
-def _counts(rows=3, bins=cuda_topk.COUNTS_WORDS, dtype=torch.int32):
-    return torch.zeros(rows, bins, dtype=dtype)
-
-
-@pytest.mark.parametrize("bad, match", [
-    (_counts(dtype=torch.int64), "int32"),
-    (_counts(bins=cuda_topk.COUNTS_BINS), "int32 \\[rows, 4100\\]"),
-    (_counts(rows=1), "1 rows for a call of 2"),
-    (_counts().t().contiguous().t(), "contiguous"),
-    (torch.zeros(3 * 4100 + 1, dtype=torch.int32)[1:].view(3, 4100), "16-byte aligned"),
-    ([[0] * 4096] * 3, "must be a tensor"),
-])
-def test_counts_that_cannot_hold_the_call_are_refused(bad, match):
-    with pytest.raises(ValueError, match=match):
-        cuda_topk.check_counts(bad, 2, torch.device("cpu"))
-    cuda_topk.check_counts(_counts(), 2, torch.device("cpu"))  # (what passes)
-
-
-def _scored_row(n: int, ties: bool, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A row of n scores as the scorer writes them (whole numbers with ``ties``): its order keys
-    and the counts the scorer's counts build writes for it."""
-    x = torch.randn(n, generator=torch.Generator().manual_seed(seed)) * 30
-    if ties:
-        x = x.round()
-    return emu.order_keys(x, nan_low=False), emu.scorer_counts(x)
-
-
-@given(n=st.integers(1, 3000), k=st.integers(1, 2048), ties=st.booleans(), seed=st.integers(0, 2**31 - 1),
-       extra=st.lists(st.tuples(st.integers(0, 4095), st.integers(1, 3)), min_size=1, max_size=4))
-def test_a_row_takes_the_scorers_counts_only_when_they_are_its_own(n, k, ties, seed, extra):
-    """The one-CTA top-k's rule for the scorer's counts (``cuda_topk_emu.counts_taken``): the
-    counts the scorer writes for a row are taken and resolve pass A as the row's own count does;
-    counts left over from an unfinished launch (added to them, or alone) or none at all are not
-    taken, so that row is counted again: the same plan whatever the buffer held."""
-    u, own = _scored_row(n, ties, seed)
-    assert own.sum() == n and emu.counts_taken(own, n)
-    left = torch.zeros(emu.COUNTS_BINS, dtype=own.dtype)
-    for b, c in extra:
-        left[b] += c
-    assert not emu.counts_taken(own + left, n)
-    assert emu.counts_taken(left, n) == (int(left.sum()) == n)
-    assert not emu.counts_taken(torch.zeros_like(own), n)
-    if n > k:
-        plan = emu.plan_cluster_row(u, k, solo=True)
-        assert emu.plan_cluster_row(u, k, solo=True, counts=own) == plan
-        assert emu.plan_cluster_row(u, k, solo=True, counts=own + left) == plan
-
-
-@given(n=st.integers(2, 3000), k=st.integers(1, 2047), ties=st.booleans(), seed=st.integers(0, 2**31 - 1),
-       moves=st.lists(st.tuples(st.integers(0, 4095), st.integers(0, 4095), st.integers(1, 50)), min_size=1,
-                      max_size=3))
-def test_counts_that_sum_right_but_disagree_with_the_keys_are_refused(n, k, ties, seed, moves):
-    """The certificate behind the counts (``cuda_topk_emu.counts_certified``, the kernel's check
-    before it keeps them): counts of the right sum whose bins are wrong (some counts moved to other
-    bins) are kept only if the keys above and in the bin they name agree, and then that bin, need
-    and count are the row's own; so the plan is the row's own whatever the counts, and the row's
-    own counts are always kept."""
-    if n <= k:
-        k = n - 1
-    u, own = _scored_row(n, ties, seed)
-    assert emu.counts_certified(own, u, k)
-    lie = own.clone()
-    for src, dst, c in moves:
-        c = min(c, int(lie[src]))
-        lie[src] -= c
-        lie[dst] += c
-    assert emu.counts_taken(lie, n)
-    if emu.counts_certified(lie, u, k):
-        assert emu._find_bin(lie, k) == emu._find_bin(own, k)
-    plan = emu.plan_cluster_row(u, k, solo=True)
-    assert emu.plan_cluster_row(u, k, solo=True, counts=lie) == plan
-
-
-def test_counts_that_name_an_empty_bin_are_refused():
-    x = torch.randn(5000, generator=torch.Generator().manual_seed(1))
-    u = emu.order_keys(x, nan_low=False)
-    lie = torch.zeros(emu.COUNTS_BINS, dtype=torch.long)
-    lie[0] = 5000  # every key below -2^18: the sum is right, the keys say otherwise
-    assert emu.counts_taken(lie, 5000) and not emu.counts_certified(lie, u, 2048)
-
-
-def test_counts_are_refused_with_a_page_table_before_anything_compiles():
-    x = torch.zeros(2, 64)
-    lens = torch.tensor([64, 64], dtype=torch.int32)
-    out = torch.empty(2, 8, dtype=torch.int32)
-    table = torch.zeros(2, 1, dtype=torch.int32)
-    with pytest.raises(ValueError, match="no page_table"):
-        cuda_topk.launch_cuda_topk_cluster(x, 64, lens, None, out, 8, 64, cluster=1, page_table=table,
-                                           page_bits=6, counts=_counts(2))
-    with pytest.raises(ValueError, match="counts: 1 rows"):
-        cuda_topk.launch_cuda_topk_cluster(x, 64, lens, None, out, 8, 64, cluster=1, counts=_counts(1))

@@ -10,8 +10,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from late_writer import late_copier
 
-from vllm_sparse_sync.kernels.cuda import topk_emu as emu
 from vllm_sparse_sync.kernels import reference as ref
+from vllm_sparse_sync.kernels.cuda import topk_emu as emu
 from vllm_sparse_sync.kernels.synth import make_case
 from vllm_sparse_sync.kernels.verify import topk_violations
 
@@ -72,7 +72,7 @@ def test_exact_sets_on_every_length(ties, route):
 
 
 def test_the_default_route_for_many_rows_is_the_cuda_top_k_and_is_exact():
-    from vllm_sparse_sync.kernels import triton_ops
+    from vllm_sparse_sync.kernels import ops
     from vllm_sparse_sync.kernels.workspace import IndexerTopkWorkspace
 
     lens = [(i * 7919) % 40000 for i in range(48)]
@@ -80,9 +80,9 @@ def test_the_default_route_for_many_rows_is_the_cuda_top_k_and_is_exact():
     case = make_case(lens, heads=64, device=DEV, seed=5)
     width = case.block_table.shape[1] * 64
     ws = IndexerTopkWorkspace(len(lens), K, width, DEV)
-    assert ws.route(len(lens), width, 64).kind == "cuda_radix"
-    got = triton_ops.indexer_topk(*case.args, K, workspace=ws)
-    dense = triton_ops.paged_indexer_logits(*case.args, width)
+    assert ws.plan_call(len(lens), width, 64).kind == "cuda_radix"
+    got = ops.indexer_topk(*case.args, K, workspace=ws)
+    dense = ops.paged_indexer_logits(*case.args, width)
     eff = ref.effective_lengths(case.row_lens, width)
     finite = dense[torch.isfinite(dense)]
     tol = 1e-5 * float(finite.abs().max()) + 1e-5
@@ -461,7 +461,7 @@ def test_early_lengths_are_read_before_the_wait_and_only_where_asked(cluster):
     """``lens_early`` reads the lengths before the dependency wait: after a kernel that writes them
     late it sees the old ones (why only a step's top-k, after its scorer, asks for it); without
     it, and through ``topk_indices``, the top-k sees the new ones."""
-    from vllm_sparse_sync.kernels import triton_ops
+    from vllm_sparse_sync.kernels import ops
     from vllm_sparse_sync.kernels.cuda.topk import launch_cuda_topk_cluster
 
     if torch.cuda.get_device_capability() < (9, 0):
@@ -485,14 +485,14 @@ def test_early_lengths_are_read_before_the_wait_and_only_where_asked(cluster):
         assert torch.equal(_sets(out), _sets(want[old if early else new])), early
     lens = torch.full((rows,), old, dtype=torch.int32, device=DEV)
     copy(lens, new_lens, _LATE_NS)
-    got = triton_ops.topk_indices(x, lens, K)
+    got = ops.topk_indices(x, lens, K)
     assert torch.equal(_sets(got), _sets(want[new]))
 
 
 def test_the_step_reads_lengths_written_just_before_it():
-    """The step's top-k reads the lengths early (``topk.cuda_lens_early``), after its scorer: a
+    """The step's cluster top-k reads the lengths early (``lens_early``), after its scorer: a
     kernel that writes them just before the step is still seen, as the scorer starts after it."""
-    from vllm_sparse_sync.kernels import triton_ops
+    from vllm_sparse_sync.kernels import ops
     from vllm_sparse_sync.kernels.workspace import IndexerTopkWorkspace
 
     if torch.cuda.get_device_capability() < (9, 0):
@@ -502,13 +502,12 @@ def test_the_step_reads_lengths_written_just_before_it():
     case = make_case(lens, heads=64, device=DEV, seed=21)
     width = case.block_table.shape[1] * 64
     ws = IndexerTopkWorkspace(len(lens), K, width, DEV)
-    route = ws.route(len(lens), width, 64)
-    assert route.topk_cluster and ws.config.topk.cuda_lens_early
+    assert ws.plan_call(len(lens), width, 64).topk_cluster
     new = 2100
     new_lens = torch.full_like(case.row_lens, new)
-    want = triton_ops.indexer_topk(*case.args[:4], new_lens, K, workspace=ws)
+    want = ops.indexer_topk(*case.args[:4], new_lens, K, workspace=ws)
     copy(case.row_lens, new_lens, _LATE_NS)
-    got = triton_ops.indexer_topk(*case.args, K, workspace=ws)
+    got = ops.indexer_topk(*case.args, K, workspace=ws)
     torch.cuda.synchronize()
     assert case.row_lens.tolist() == [new] * len(lens)
     assert torch.equal(got, want)

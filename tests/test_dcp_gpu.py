@@ -40,7 +40,7 @@ def _gpu_exact(ctx, cases):
         # the unfused single-GPU route as the comparison (the fused one broke threshold ties until
         # its programs took contiguous chunks: test_kernels_gpu::
         # test_fused_route_gives_threshold_ties_to_the_lowest_positions)
-        unfused = DEFAULT_CONFIG.with_values(**{"fused.enabled": False})
+        unfused = DEFAULT_CONFIG.with_values(fused=False)
         single = IndexerStep.for_builder(gb, config=unfused).run(gmeta, q, w, cache)
         lay = layout_of(case, ctx.world_size, ctx.rank)
         cache_l, table_l = shard_k_cache(cache, table, ctx.world_size, ctx.rank, case.interleave)

@@ -240,7 +240,7 @@ def test_triton_metadata_kernel_reads_a_negative_seq_len_as_zero():
 
 @pytest.mark.usefixtures("interpreted")
 def test_triton_top_k_clamps_an_int64_length_past_int32_instead_of_wrapping():
-    from vllm_sparse_sync.kernels import triton_ops
+    from vllm_sparse_sync.kernels import ops as triton_ops
 
     x = torch.randn(3, 300, generator=torch.Generator().manual_seed(2))
     lens = torch.tensor([2**32 + 5, 2**31, -(2**32) + 100], dtype=torch.int64)

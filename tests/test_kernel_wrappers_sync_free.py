@@ -1,7 +1,7 @@
 """Property-based proof that the kernels' host side never reads device data on the host.
 
 The host side is everything between the caller and the kernels: `kernels.dispatch`, the Triton
-launch wrappers (`triton_ops`: checks, workspace, route choice, grids) and the workspace. On a
+entry points (`ops`: checks, the call's plan, `launch`) and the workspace. On a
 CPU host the tensors are CPU stand-ins watched by the sentinel, and the launches either run in
 Triton's interpreter (few examples, results checked) or are stubbed out (many examples: the
 host logic alone). A launch with a watched argument taints all its arguments, so a wrapper that
@@ -20,8 +20,10 @@ triton = pytest.importorskip("triton")
 
 from vllm_sparse_sync.kernels import dispatch  # noqa: E402
 from vllm_sparse_sync.kernels import reference as ref  # noqa: E402
-from vllm_sparse_sync.kernels import triton_ops as tk  # noqa: E402
-from vllm_sparse_sync.kernels.config import FusedConfig, KernelConfig, TopkConfig  # noqa: E402
+from vllm_sparse_sync.kernels import launch, planner  # noqa: E402
+from vllm_sparse_sync.kernels import ops as tk  # noqa: E402
+from vllm_sparse_sync.kernels.config import KernelConfig  # noqa: E402
+from vllm_sparse_sync.kernels.triton import fused, topk_sample  # noqa: E402
 from vllm_sparse_sync.kernels.synth import make_case  # noqa: E402
 from vllm_sparse_sync.kernels.verify import topk_violations  # noqa: E402
 from vllm_sparse_sync.kernels.workspace import IndexerTopkWorkspace  # noqa: E402
@@ -30,14 +32,22 @@ from vllm_sparse_sync.testing import device_tensors, no_host_sync  # noqa: E402
 pytestmark = [pytest.mark.interpret, pytest.mark.skipif(CUDA, reason=SKIP_WITH_CUDA)]
 
 PAGE = 64
-_SMALL = dict(cap=128, sample_above=128, samples=64, block=64, resolve_block=64)
-_UNFUSED = FusedConfig(enabled=False)
 CONFIGS = {
-    "radix": KernelConfig(topk=TopkConfig(algo="radix"), fused=_UNFUSED),
-    "sample": KernelConfig(topk=TopkConfig(algo="sample", **_SMALL), fused=_UNFUSED),
-    "auto": KernelConfig(topk=TopkConfig(sample_min_rows=3, **_SMALL), fused=_UNFUSED),
-    "fused": KernelConfig(fused=FusedConfig(resolve_block=64)),
+    "radix": KernelConfig(topk="radix", fused=False),
+    "sample": KernelConfig(topk="sample", fused=False),
+    "auto": KernelConfig(fused=False),  # sampled from 3 rows (small_kernels)
+    "fused": KernelConfig(),
 }
+
+
+@pytest.fixture(autouse=True)
+def small_kernels(monkeypatch):
+    """The sampled top-k shrunk so small rows take every path (and "auto" from 3 rows), the fused
+    resolve 64 candidates an iteration; set before any workspace is made."""
+    for name, value in dict(CAP=128, SAMPLE_ABOVE=128, SAMPLES=64, BLOCK=64, RESOLVE_BLOCK=64).items():
+        monkeypatch.setattr(topk_sample, name, value)
+    monkeypatch.setattr(planner, "SAMPLE_MIN_ROWS", 3)
+    monkeypatch.setattr(fused, "RESOLVE_BLOCK", 64)
 ENTRIES = ("write_index_k_cache", "paged_indexer_logits", "topk_indices", "indexer_topk")
 
 
@@ -131,11 +141,11 @@ FEW = settings(MANY, max_examples=max(3, settings().max_examples // 15))
 
 
 @pytest.mark.parametrize("entry", ENTRIES)
-@pytest.mark.parametrize("via_dispatch", [False, True], ids=["triton_ops", "dispatch"])
+@pytest.mark.parametrize("via_dispatch", [False, True], ids=["ops", "dispatch"])
 def test_host_side_never_reads_device_data_stubbed_launches(entry, via_dispatch, monkeypatch):
     launched = _stub_launches(monkeypatch)
     if via_dispatch:
-        monkeypatch.setattr(dispatch, "_uses_triton", lambda t: True)
+        monkeypatch.setattr(dispatch, "_on_device", lambda t: True)
 
     @MANY
     @given(c=calls(entry))
@@ -148,7 +158,7 @@ def test_host_side_never_reads_device_data_stubbed_launches(entry, via_dispatch,
 
 @pytest.mark.parametrize("entry", ENTRIES)
 def test_host_side_never_reads_device_data_interpreted(entry, monkeypatch):
-    monkeypatch.setattr(dispatch, "_uses_triton", lambda t: True)
+    monkeypatch.setattr(dispatch, "_on_device", lambda t: True)
 
     @FEW
     @given(c=calls(entry))
@@ -163,13 +173,13 @@ def test_a_wrapper_that_reads_its_output_back_is_caught(monkeypatch):
     from vllm_sparse_sync.testing import HostSyncError
 
     _stub_launches(monkeypatch)
-    orig = tk._launch_topk
+    orig = launch.launch_topk
 
     def checking(route, logits, row_lens, active_width, ws, out, k, width, **kw):
         orig(route, logits, row_lens, active_width, ws, out, k, width, **kw)
         assert int(out.min()) >= -1  # planted: a host read of the kernel's output
 
-    monkeypatch.setattr(tk, "_launch_topk", checking)
+    monkeypatch.setattr(tk, "launch_topk", checking)
     c = dict(entry="topk_indices", rows=3, table_pages=2, lens=[5, 90, 128], width=128, active=None,
              k=8, heads=16, algo="radix", seed=1, with_out=False, with_workspace=True)
     with pytest.raises(HostSyncError, match=r"int\(out.min\(\)\)"):

@@ -8,8 +8,6 @@ Sizes are small: the interpreter runs every program in Python.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 import torch
 from interpret_env import CUDA as _CUDA
@@ -18,14 +16,12 @@ from interpret_env import SKIP_WITH_CUDA
 triton = pytest.importorskip("triton")
 
 from vllm_sparse_sync.kernels import reference as ref  # noqa: E402
-from vllm_sparse_sync.kernels import triton_ops as tk  # noqa: E402
-from vllm_sparse_sync.kernels.config import (  # noqa: E402
-    FusedConfig,
-    KernelConfig,
-    ScorerConfig,
-    TopkConfig,
-)
+from vllm_sparse_sync.kernels import launch, planner  # noqa: E402
+from vllm_sparse_sync.kernels import ops as tk  # noqa: E402
+from vllm_sparse_sync.kernels.config import KernelConfig  # noqa: E402
 from vllm_sparse_sync.kernels.synth import make_case  # noqa: E402
+from vllm_sparse_sync.kernels.triton import fused, topk_sample  # noqa: E402
+from vllm_sparse_sync.kernels.triton import scorer as triton_scorer  # noqa: E402
 from vllm_sparse_sync.kernels.verify import topk_violations  # noqa: E402
 from vllm_sparse_sync.kernels.workspace import IndexerTopkWorkspace  # noqa: E402
 
@@ -35,23 +31,25 @@ pytestmark = [
 ]
 
 
-# "sample" shrunk so small rows take every path: candidates (n > 128), whole row, fallback
-UNFUSED = FusedConfig(enabled=False)
-SMALL_TOPK = TopkConfig(algo="sample", cap=128, sample_above=128, samples=64, block=64, resolve_block=64)
-SMALL_SAMPLE = KernelConfig(topk=SMALL_TOPK, fused=UNFUSED)
-ALGOS = {"radix": KernelConfig(topk=TopkConfig(algo="radix"), fused=UNFUSED), "sample": SMALL_SAMPLE}
-FUSED = KernelConfig(fused=FusedConfig(resolve_block=64))  # candidates over several iterations
+SMALL_SAMPLE = dict(CAP=128, SAMPLE_ABOVE=128, SAMPLES=64, BLOCK=64, RESOLVE_BLOCK=64)
+"""the sampled top-k shrunk so small rows take every path: candidates (n > 128), whole row, fallback"""
+ALGOS = {"radix": KernelConfig(topk="radix", fused=False), "sample": KernelConfig(topk="sample", fused=False)}
+FUSED = KernelConfig()
 
 
-def _sample_cfg(**topk) -> KernelConfig:
-    return replace(SMALL_SAMPLE, topk=replace(SMALL_TOPK, **topk))
+@pytest.fixture(autouse=True)
+def small_kernels(monkeypatch):
+    """``SMALL_SAMPLE``, and the fused step's resolve reading its candidates 64 at a time (over
+    several iterations); set before any workspace is made (it sizes the candidate buffers)."""
+    for name, value in SMALL_SAMPLE.items():
+        monkeypatch.setattr(topk_sample, name, value)
+    monkeypatch.setattr(fused, "RESOLVE_BLOCK", 64)
 
 
 def test_workspace_holds_sample_buffers_only_when_a_call_can_route_there():
-    cfg = KernelConfig()  # default: "auto", sample from 32 rows
     small = IndexerTopkWorkspace(8, 16, 0, "cpu", num_sms=4)
-    big = IndexerTopkWorkspace(cfg.topk.sample_min_rows, 16, 0, "cpu", num_sms=4)
-    assert small.cand_key.numel() == 0 and big.cand_key.numel() > 0
+    big = IndexerTopkWorkspace(planner.SAMPLE_MIN_ROWS, 16, 0, "cpu", num_sms=4)
+    assert small.cand_key.numel() == 0 and big.cand_key.numel() == planner.SAMPLE_MIN_ROWS * topk_sample.CAP
 
 
 def _eff(case, width, active=None):
@@ -72,9 +70,10 @@ def test_write_index_k_cache_matches_reference():
 
 
 @pytest.mark.parametrize("heads, tile", [(16, 64), (32, 64), (16, 32), (16, 128)])
-def test_dense_logits_match_reference_with_holes_and_bounds(heads, tile):
+def test_dense_logits_match_reference_with_holes_and_bounds(heads, tile, monkeypatch):
     # one-page tiles (a scalar page id) or gathered tiles (a tile of half a page, or of two)
-    cfg = KernelConfig(scorer=ScorerConfig(tile=tile))
+    monkeypatch.setattr(triton_scorer, "TILE", tile)
+    cfg = KernelConfig()
     # lengths: 0, page multiple, partial page, longer than the table (clamped)
     case = make_case([0, 128, 77, 190], heads=heads, table_pages=3, seed=2)
     case.block_table[2, 1] = -1  # a hole inside the live range scores -inf
@@ -128,7 +127,7 @@ def test_indexer_topk_both_host_contracts(bound, algo):
     }[bound]
     cfg = FUSED if algo == "fused" else ALGOS[algo]
     ws = IndexerTopkWorkspace(len(lens), k, width, "cpu", num_sms=5 if algo != "fused" else 16, config=cfg)
-    assert ws.route(len(lens), width, 64).fused == (algo == "fused")
+    assert ws.plan_call(len(lens), width, 64).fused == (algo == "fused")
     got = tk.indexer_topk(*case.args, k, active_width=active, width=width, workspace=ws)
     logits = ref.paged_indexer_logits(*case.args, width, active_width=active)
     assert topk_violations(got, logits, _eff(case, width, active), k, tol=1e-3) == []
@@ -172,7 +171,7 @@ def test_indexer_topk_row_longer_than_page_table():
     assert set(got[1].tolist()) == set(want[1].tolist())
 
 
-def _sample_topk(logits, lens, k, active=None, cfg=SMALL_SAMPLE):
+def _sample_topk(logits, lens, k, active=None, cfg=ALGOS["sample"]):
     """``sample`` top-k, checked exact against the reference (same set per row); rows' paths."""
     rows, width = logits.shape
     ws = IndexerTopkWorkspace(rows, k, 0, "cpu", num_sms=4, config=cfg)
@@ -183,15 +182,15 @@ def _sample_topk(logits, lens, k, active=None, cfg=SMALL_SAMPLE):
     for r in range(rows):
         assert set(got[r].tolist()) == set(want[r].tolist()), f"row {r}"
     assert torch.equal(got, tk.topk_indices(logits, lens, k, active_width=active, workspace=ws))
-    chunks = ws.route(rows, width, 1, score=False).topk_chunks
+    chunks = ws.plan_call(rows, width, 1, score=False).topk_chunks
     c = ws.chunk_cnt[: rows * chunks].view(rows, chunks).sum(1).tolist()
-    cap, smin = cfg.topk.cap, cfg.topk.sample_above
+    cap, smin = topk_sample.CAP, topk_sample.SAMPLE_ABOVE
     paths = ["short" if n <= k else "row" if n <= smin else "cand" if k <= cc <= cap else "fallback"
              for n, cc in zip(eff.tolist(), c)]
     return got, paths
 
 
-def test_sample_topk_random_rows_take_every_path():
+def test_sample_topk_random_rows_take_every_path(monkeypatch):
     k = 16
     torch.manual_seed(20)
     lens = torch.tensor([0, 7, 16, 17, 100, 128, 129, 300, 700, 50], dtype=torch.int32)
@@ -200,7 +199,8 @@ def test_sample_topk_random_rows_take_every_path():
     _, paths = _sample_topk(logits, lens, k)
     assert paths[:3] == ["short"] * 3 and "row" in paths and "cand" in paths and "fallback" in paths
     # rows from 41 sampled (below the capacity)
-    _, paths = _sample_topk(logits, lens, k, cfg=_sample_cfg(sample_above=40))
+    monkeypatch.setattr(topk_sample, "SAMPLE_ABOVE", 40)
+    _, paths = _sample_topk(logits, lens, k)
     assert paths[4] == "cand"
 
 
@@ -215,7 +215,7 @@ def test_sample_topk_heavy_ties_fall_back():
     assert got[0].tolist() == list(range(k))  # ties resolve to the lowest positions
 
 
-def test_sample_topk_threshold_misses_fall_back():
+def test_sample_topk_threshold_misses_fall_back(monkeypatch):
     # row 0: the samples (every n/S-th position) hold the largest scores, so the threshold keeps
     # fewer than k; row 1: the k + 50 largest sit between two sample positions (> CAP candidates)
     k, S = 32, 64
@@ -227,8 +227,9 @@ def test_sample_topk_threshold_misses_fall_back():
     logits[1] = torch.rand(n1, generator=g) * 0.01
     logits[1, 101:101 + k + 50] = 10.0 + torch.rand(k + 50, generator=g)
     lens = torch.tensor([n0, n1], dtype=torch.int32)
-    cfg = _sample_cfg(samples=S, block=256, resolve_block=512)
-    _, paths = _sample_topk(logits, lens, k, cfg=cfg)
+    for name, value in dict(SAMPLES=S, BLOCK=256, RESOLVE_BLOCK=512).items():
+        monkeypatch.setattr(topk_sample, name, value)
+    _, paths = _sample_topk(logits, lens, k)
     assert paths == ["fallback", "fallback"]
 
 
@@ -250,7 +251,7 @@ def _fused_step(case, k, width, active=None, cfg=FUSED, num_sms=16):
     """The fused step on ``case``, checked against the reference; returns it and its workspace."""
     rows = case.row_lens.shape[0]
     ws = IndexerTopkWorkspace(rows, k, width, "cpu", num_sms=num_sms, config=cfg)
-    assert ws.route(rows, width, 64).fused
+    assert ws.plan_call(rows, width, 64).fused
     got = tk.indexer_topk(*case.args, k, active_width=active, width=width, workspace=ws)
     logits = ref.paged_indexer_logits(*case.args, width, active_width=active)
     assert topk_violations(got, logits, _eff(case, width, active), k, tol=1e-3) == []
@@ -286,13 +287,15 @@ def test_fused_step_holes_and_rows_past_the_table():
     assert bool((got[0] >= 0).all()) and int(got[0].max()) < 256  # finite scores beat the -inf tail
 
 
-def test_fused_step_one_part_per_row_and_bound_far_above():
+def test_fused_step_one_part_per_row_and_bound_far_above(monkeypatch):
     # 4 slots for 4 rows: each row is one program holding every tile; the host width is 8x the rows
     k = 32
     case = make_case([0, 33, 128, 500], heads=32, table_pages=64, seed=14)
-    one = KernelConfig(fused=FusedConfig(ctas_per_sm=1, max_keys=4096, resolve_block=64))
+    monkeypatch.setattr(planner, "FUSED_CTAS_PER_SM", 1)
+    monkeypatch.setattr(planner, "FUSED_MAX_KEYS", 4096)
+    one = KernelConfig()
     _, ws = _fused_step(case, k, 64 * 64, cfg=one, num_sms=4)
-    route = ws.route(4, 64 * 64, 64)
+    route = ws.plan_call(4, 64 * 64, 64)
     assert (route.fused_parts, route.fused_tiles) == (1, 64)
     _fused_step(case, k, 64 * 64, active=torch.tensor([130], dtype=torch.int32), cfg=one, num_sms=4)
 
@@ -369,7 +372,7 @@ def test_nan_scores_from_the_scorer_rank_below_every_number(algo):
         scales[::5] = float("nan")
     cfg = FUSED if algo == "fused" else ALGOS[algo]
     ws = IndexerTopkWorkspace(2, k, 320, "cpu", num_sms=16 if algo == "fused" else 4, config=cfg)
-    assert ws.route(2, 320, 64).fused == (algo == "fused")
+    assert ws.plan_call(2, 320, 64).fused == (algo == "fused")
     got = tk.indexer_topk(*case.args, k, width=320, workspace=ws)
     logits = ref.paged_indexer_logits(*case.args, 320)
     assert bool(torch.isnan(logits[0]).any())
@@ -423,7 +426,7 @@ def test_fused_step_gives_threshold_ties_to_the_lowest_positions(num_sms, rows_l
     case = _tie_case(rows_lens, pages, seed=sum(rows_lens) + num_sms)
     width = pages * 64
     ws = IndexerTopkWorkspace(len(rows_lens), k, width, "cpu", num_sms=num_sms, config=FUSED)
-    route = ws.route(len(rows_lens), width, 64)
+    route = ws.plan_call(len(rows_lens), width, 64)
     assert route.fused and route.fused_parts > 1
     logits = ref.paged_indexer_logits(*case.args, width)
     assert _split_ties(logits, rows_lens, k)  # the case really splits ties at the k-th score
@@ -445,20 +448,19 @@ def test_fused_step_gives_threshold_ties_to_the_lowest_positions(num_sms, rows_l
 
 def test_only_the_steps_top_k_reads_the_lengths_before_its_wait(monkeypatch):
     """The step launches its top-k as the one after its scorer (which does not write the lengths);
-    a standalone top-k does not; the cluster launch asks for the early lengths only then, and not
-    with ``topk.cuda_lens_early`` off."""
+    a standalone top-k does not; the cluster launch asks for the early lengths only then."""
     from types import SimpleNamespace
 
     from vllm_sparse_sync.kernels.cuda import topk as cuda_topk
-    from vllm_sparse_sync.kernels.route import CUDA_RADIX, Route
 
-    calls, real = [], tk._launch_topk
+    calls, real = [], launch.launch_topk
 
     def spy(*args, **kwargs):
         calls.append(kwargs.get("after_scorer", False))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(tk, "_launch_topk", spy)
+    monkeypatch.setattr(launch, "launch_topk", spy)
+    monkeypatch.setattr(tk, "launch_topk", spy)
     case = make_case([300, 90], heads=16, seed=4)
     ws = IndexerTopkWorkspace(2, 16, 320, "cpu", config=ALGOS["radix"], num_sms=4)
     got = tk.indexer_topk(*case.args, 16, width=320, workspace=ws)
@@ -470,44 +472,14 @@ def test_only_the_steps_top_k_reads_the_lengths_before_its_wait(monkeypatch):
     assert topk_violations(alone, logits, case.row_lens.long(), 16) == []
 
     asked = []
-    monkeypatch.setattr(cuda_topk, "launch_cuda_topk_cluster",
-                        lambda *a, **kw: asked.append(kw["lens_early"]))
-    route = Route(CUDA_RADIX, 2, topk_cluster=8, topk_cap=4096)
-    off = KernelConfig(topk=TopkConfig(cuda_lens_early=False))
-    for config, after in [(KernelConfig(), True), (KernelConfig(), False), (off, True)]:
+    monkeypatch.setattr(cuda_topk, "launch_cuda_topk_cluster", lambda *a, **kw: asked.append(kw["lens_early"]))
+    route = planner.Route(planner.CUDA_RADIX, 2, topk_chunks=8, topk_cluster=8, topk_cap=4096, topk_threads=1024,
+                          topk_smem=0)
+    for after in (True, False):
         out = torch.empty(2, 16, dtype=torch.int32)
-        real(route, logits, case.row_lens, None, SimpleNamespace(config=config), out, 16, 320, nan_low=False,
-             after_scorer=after)
-    assert asked == [True, False, False]
-
-
-@pytest.mark.parametrize("flag, cluster, scorer, ran, slots, handed", [
-    (True, 1, "cuda", "cuda", False, (True, True)),  # the counts' route: the scorer writes, the top-k takes
-    (True, 1, "cuda", "triton", False, (True, False)),  # a call the CUDA scorer is not built for: not taken
-    (False, 1, "cuda", "cuda", False, (False, False)),  # topk.scorer_counts off
-    (True, 8, "cuda", "cuda", False, (False, False)),  # a cluster of 8 CTAs a row: pass A is a cluster's
-    (True, 1, "triton", "triton", False, (False, False)),  # the Triton scorer writes none
-    (True, 1, "cuda", "cuda", True, (False, False)),  # slots: the counts entries write positions
-])
-def test_the_step_hands_the_scorers_counts_to_the_top_k_only_on_their_route(
-        monkeypatch, flag, cluster, scorer, ran, slots, handed):
-    """``topk.scorer_counts``: the step gives the workspace's counts to the scorer and then to the
-    top-k only where the CUDA scorer runs before the one-CTA CUDA top-k writing positions (CPU:
-    the route and both launches are stand-ins that record what they are given)."""
-    from vllm_sparse_sync.kernels.cuda.topk import COUNTS_WORDS
-    from vllm_sparse_sync.kernels.route import CUDA_RADIX, Route
-
-    given = {}
-    monkeypatch.setattr(tk, "launch_score", lambda *a, counts=None, **kw: given.update(scorer=counts) or ran)
-    monkeypatch.setattr(tk, "_launch_topk", lambda *a, counts=None, **kw: given.update(topk=counts))
-    case = make_case([300, 90], heads=16, table_pages=6, seed=4)
-    cfg = KernelConfig(topk=TopkConfig(scorer_counts=flag))
-    ws = IndexerTopkWorkspace(2, 16, 384, "cpu", config=cfg, num_sms=4)
-    assert ws.counts.shape == ((2 if flag else 0), COUNTS_WORDS)
-    ws.route = lambda *a, **kw: Route(CUDA_RADIX, 2, topk_cluster=cluster, topk_cap=4096, scorer=scorer)
-    tk.indexer_topk(*case.args, 16, width=384, workspace=ws, page_table=case.block_table if slots else None)
-    assert (given["scorer"] is ws.counts, given["topk"] is ws.counts) == handed
-    assert (given["scorer"] is None, given["topk"] is None) == (not handed[0], not handed[1])
+        real(route, logits, case.row_lens, None, SimpleNamespace(config=KernelConfig()), out, 16, 320,
+             nan_low=False, after_scorer=after)
+    assert asked == [True, False]
 
 
 def _slot_table(rows: int, pages: int, seed: int) -> torch.Tensor:
@@ -526,7 +498,7 @@ def test_indexer_topk_writes_kv_cache_slots_on_every_triton_route(algo):
     width = 6 * 64
     cfg = FUSED if algo == "fused" else ALGOS[algo]
     ws = IndexerTopkWorkspace(len(lens), k, width, "cpu", num_sms=5 if algo != "fused" else 16, config=cfg)
-    assert ws.route(len(lens), width, 64).fused == (algo == "fused")
+    assert ws.plan_call(len(lens), width, 64).fused == (algo == "fused")
     positions = tk.indexer_topk(*case.args, k, width=width, workspace=ws)
     for page_size, pages in ((64, 6), (16, 24), (64, 3), (1, 300)):  # (64, 3), (1, 300): rows past it
         table = _slot_table(len(lens), pages, seed=page_size + pages)
@@ -567,7 +539,7 @@ def test_the_public_transform_takes_the_triton_kernel_where_tensors_are_on_cuda(
     # the interpreter on CPU tensors; the input is left as it was
     from vllm_sparse_sync.kernels import dispatch
 
-    monkeypatch.setattr(dispatch, "_uses_triton", lambda t: True)
+    monkeypatch.setattr(dispatch, "_on_device", lambda t: True)
     g = torch.Generator().manual_seed(15)
     idx = torch.randint(-1, 900, (3, 40), generator=g, dtype=torch.int32).t().contiguous().t()  # strided
     table = _slot_table(3, 12, seed=16)

@@ -29,7 +29,7 @@ def fake_nvrtc(monkeypatch):
 
     monkeypatch.setattr(cuda_topk, "compile_source", fake)
     monkeypatch.setattr(cuda_topk, "compiler_status", lambda: (True, "NVRTC fake"))
-    monkeypatch.setattr(cuda_topk, "compiler_identity", lambda: "NVRTC fake; cuda-bindings fake")
+    monkeypatch.setattr(cuda_topk, "compiler_identity", lambda: "NVRTC fake")
     monkeypatch.delenv(nvrtc_cache.SWITCH_ENV, raising=False)
     return calls
 
@@ -42,34 +42,31 @@ def test_prebuild_holds_what_every_module_of_an_h200_loads(tmp_path, fake_nvrtc,
     env = {nvrtc_cache.DIR_ENV: str(tmp_path)}
     lines: list[str] = []
     rows = prebuild.prebuild((9, 0), env, progress=lines.append)
-    assert [r["origin"] for r in rows] == ["compiled"] * 7
-    assert sorted(fake_nvrtc) == sorted([("sm_90", "topk.cu")] * 3 + [("sm_90a", "scorer.cu")] * 4)
+    assert [r["origin"] for r in rows] == ["compiled"] * 3
+    assert sorted(fake_nvrtc) == sorted([("sm_90", "topk.cu")] * 2 + [("sm_90a", "scorer.cu")])
     assert any("already cached" not in ln and "compiled" in ln for ln in lines)
     # what cuda_topk._Module and cuda_scorer._Module call when a device loads them
     monkeypatch.setattr(cuda_topk, "compile_source", _no_compile)
     monkeypatch.setenv(nvrtc_cache.DIR_ENV, str(tmp_path))
     assert cuda_topk.module_cubin("sm_90")[1] == "cache"
     assert cuda_topk.module_cubin("sm_90", extra_options=cuda_topk.SLOTS_OPTIONS)[1] == "cache"
-    assert cuda_topk.module_cubin("sm_90", extra_options=cuda_topk.COUNTS_OPTIONS)[1] == "cache"
-    for consumers in (cuda_scorer.CONSUMERS, cuda_scorer.NARROW_CONSUMERS):
-        for counts in (False, True):
-            assert cuda_scorer.build_cubin(cuda_scorer.build_defines(consumers, counts))[1] == "cache"
+    assert cuda_scorer.build_cubin()[1] == "cache"
     # a second prebuild finds every module
-    assert [r["origin"] for r in prebuild.prebuild((9, 0), env, progress=lines.append)] == ["cache"] * 7
-    assert sum("already cached" in ln for ln in lines) == 7
+    assert [r["origin"] for r in prebuild.prebuild((9, 0), env, progress=lines.append)] == ["cache"] * 3
+    assert sum("already cached" in ln for ln in lines) == 3
 
 
-def test_the_four_scorer_builds_are_four_entries(tmp_path, fake_nvrtc):
+def test_each_module_is_one_cache_entry(tmp_path, fake_nvrtc):
     prebuild.prebuild((9, 0), {nvrtc_cache.DIR_ENV: str(tmp_path)}, progress=lambda s: None)
-    assert len([p for p in os.listdir(tmp_path) if p.endswith(".cubin")]) == 7  # and the top-k's three
+    assert len([p for p in os.listdir(tmp_path) if p.endswith(".cubin")]) == 3
 
 
-def test_only_a_9_0_device_gets_the_scorer_and_from_9_0_the_slots_and_counts_modules():
+def test_only_a_9_0_device_gets_the_scorer_and_from_9_0_the_slots_module():
     assert [b.label for b in prebuild.builds_for((8, 0))] == ["CUDA top-k (sm_80)"]
-    assert len(prebuild.builds_for((9, 0))) == 7
+    assert [b.label for b in prebuild.builds_for((9, 0))] == ["CUDA top-k (sm_90)", "CUDA top-k slots (sm_90)",
+                                                             "CUDA scorer (sm_90a)"]
     assert [b.label for b in prebuild.builds_for((10, 0))] == ["CUDA top-k (sm_100)",
-                                                              "CUDA top-k slots (sm_100)",
-                                                              "CUDA top-k counts (sm_100)"]
+                                                              "CUDA top-k slots (sm_100)"]
 
 
 @pytest.mark.parametrize("text, cap", [("sm_90", (9, 0)), ("sm_90a", (9, 0)), (" sm_80 ", (8, 0)),
@@ -88,9 +85,9 @@ def test_cli_prebuild_writes_json_and_names_the_folder(tmp_path, fake_nvrtc, cap
     out = tmp_path / "rows.json"
     assert main(["prebuild", "--arch", "sm_90", "--cache-dir", str(tmp_path / "c"), "--json", str(out)]) == 0
     rows = json.loads(out.read_text())
-    assert [r["origin"] for r in rows] == ["compiled"] * 7 and all(r["bytes"] > 0 for r in rows)
+    assert [r["origin"] for r in rows] == ["compiled"] * 3 and all(r["bytes"] > 0 for r in rows)
     assert str(tmp_path / "c") in capsys.readouterr().out
-    assert len(os.listdir(tmp_path / "c")) == 7
+    assert len(os.listdir(tmp_path / "c")) == 3
 
 
 def test_cli_prebuild_reports_a_compile_error(tmp_path, monkeypatch, capsys):

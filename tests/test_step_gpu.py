@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -20,17 +21,37 @@ pytestmark = [pytest.mark.gpu,
 DEV = "cuda"
 
 
-def _ws(rows, k, width, **dotted):
+def _ws(rows, k, width, *, cluster=True, **values):
     from vllm_sparse_sync.kernels.config import DEFAULT_CONFIG
+
+    return _workspace(rows, k, width, DEV, DEFAULT_CONFIG.with_values(**values), cluster)
+
+
+def _workspace(rows, k, width, device, config, cluster):
+    """``cluster=False``: planned as on a device without the cluster top-k (where calls of few
+    rows take the fused step)."""
+    from vllm_sparse_sync.kernels.device import device_info
     from vllm_sparse_sync.kernels.workspace import IndexerTopkWorkspace
 
-    return IndexerTopkWorkspace(rows, k, width, DEV, config=DEFAULT_CONFIG.with_values(**dotted))
+    info = None if cluster else replace(device_info(device, config), cluster_smem=0)
+    return IndexerTopkWorkspace(rows, k, width, device, config=config, device_info=info)
+
+
+def _steps_without_cluster(monkeypatch):
+    """Steps made from here on plan as on a device without the cluster top-k (a step's workspace
+    comes from ``kernels.make_workspace``)."""
+    from vllm_sparse_sync import kernels
+
+    def make_workspace(rows, k, width=0, device=DEV, config=None):
+        return _workspace(rows, k, width, device, config or kernels.DEFAULT_CONFIG, cluster=False)
+
+    monkeypatch.setattr(kernels, "make_workspace", make_workspace)
 
 
 def _ops():
-    from vllm_sparse_sync.kernels import triton_ops
+    from vllm_sparse_sync.kernels import ops
 
-    return triton_ops
+    return ops
 
 
 def _set(t):
@@ -41,12 +62,11 @@ def test_a_small_call_on_a_serving_size_workspace_takes_the_fused_route():
     k, width = 2048, 131072
     case = make_case([65536], heads=64, table_pages=width // 64, device=DEV, seed=1)
     if _ws(1, k, width).device_info().cluster_smem:  # sm_90+: scorer, then the cluster top-k
-        assert _ws(256, k, width).route(1, width, 64).kind == "cuda_radix"
-    big = _ws(256, k, width, **{"topk.cuda_cluster": False})
-    assert big.route(1, width, 64).fused
+        assert _ws(256, k, width).plan_call(1, width, 64).kind == "cuda_radix"
+    big = _ws(256, k, width, cluster=False)
+    assert big.plan_call(1, width, 64).fused
     got = _ops().indexer_topk(*case.args, k, width=width, workspace=big)
-    small = _ops().indexer_topk(*case.args, k, width=width,
-                                workspace=_ws(1, k, width, **{"topk.cuda_cluster": False}))
+    small = _ops().indexer_topk(*case.args, k, width=width, workspace=_ws(1, k, width, cluster=False))
     assert _set(got[0]) == _set(small[0])
     logits = ref.paged_indexer_logits(*case.args, width)
     assert topk_violations(got, logits, ref.effective_lengths(case.row_lens, width), k, tol=1e-3) == []
@@ -60,8 +80,8 @@ def test_nan_scores_rank_below_every_number(route):
     logits[1, :100] = float("nan")
     logits[1, 100:110] = -float("nan")  # a NaN with the sign bit set
     lens = torch.tensor([n, n], dtype=torch.int32, device=DEV)
-    cfg = {"topk.algo": route if route != "fused" else "radix", "fused.enabled": False}
-    got = _ops().topk_indices(logits, lens, k, workspace=_ws(2, k, 0, **cfg))
+    topk = {"fused": "radix", "cuda_radix": "cuda"}.get(route, route)
+    got = _ops().topk_indices(logits, lens, k, workspace=_ws(2, k, 0, topk=topk, fused=False))
     want = ref.topk_indices(logits.cpu(), lens.cpu(), k)
     for r in range(2):
         assert _set(got[r]) == _set(want[r])
@@ -78,13 +98,11 @@ def test_write_index_k_cache_skips_slots_past_the_cache_like_the_reference():
     assert torch.equal(cache.cpu(), want)
 
 
-def test_a_stalled_fused_row_is_marked_and_reported():
+def test_a_stalled_fused_row_is_marked_and_reported(monkeypatch):
     k, width = 512, 8192
     layout = IndexerLayout(backend="deepgemm", topk=k, max_model_len=width)
-    from vllm_sparse_sync.kernels.config import DEFAULT_CONFIG
-
-    fused = DEFAULT_CONFIG.with_values(**{"topk.cuda_cluster": False})  # sm_90+ would not fuse
-    step = IndexerStep(layout, max_rows=4, max_pages_per_req=width // 64, device=DEV, config=fused)
+    _steps_without_cluster(monkeypatch)  # sm_90+ would not fuse
+    step = IndexerStep(layout, max_rows=4, max_pages_per_req=width // 64, device=DEV)
     builder = IndexerMetadataBuilder(layout, max_num_reqs=4, max_num_tokens=4,
                                      max_pages_per_req=width // 64, device=DEV)
     lens = torch.tensor([8000, 6000], dtype=torch.int32)
@@ -192,20 +210,23 @@ print("NOT CAUGHT")
     assert "assert" in proc.stderr.lower()
 
 
-@pytest.mark.parametrize("rows,max_len,dotted,taken", [
+@pytest.mark.parametrize("rows,max_len,values,taken", [
     (64, 16384, {}, "cluster"),  # the scorer, then the cluster top-k writing slots itself
-    (2, 8192, {"topk.cuda_cluster": False}, "fused"),  # the fused Triton step, then the transform
-    (40, 4096, {"topk.cuda_cluster": False, "topk.algo": "radix"}, "radix"),  # Triton's radix, then it
+    (2, 8192, {}, "fused"),  # the fused Triton step (no cluster top-k), then the transform
+    (40, 4096, {"topk": "radix"}, "radix"),  # Triton's radix, then it
 ])
-def test_the_step_writes_kv_cache_slots_captured_and_without_a_sync(rows, max_len, dotted, taken):
+def test_the_step_writes_kv_cache_slots_captured_and_without_a_sync(rows, max_len, values, taken,
+                                                                    monkeypatch):
     from vllm_sparse_sync.kernels.config import DEFAULT_CONFIG
 
+    if taken == "fused":
+        _steps_without_cluster(monkeypatch)
     k = 2048
     layout = IndexerLayout(backend="b12x", topk=k, max_model_len=max_len)
     pages = max_len // 64
     builder = IndexerMetadataBuilder(layout, max_num_reqs=rows, max_num_tokens=rows, max_pages_per_req=pages,
                                      device=DEV)
-    step = IndexerStep.for_builder(builder, config=DEFAULT_CONFIG.with_values(**dotted))
+    step = IndexerStep.for_builder(builder, config=DEFAULT_CONFIG.with_values(**values))
     route = step.route(rows)
     if taken == "cluster" and not route.topk_cluster:
         pytest.skip("the cluster top-k needs sm_90+ and cuda-bindings")

@@ -52,24 +52,28 @@ def test_the_emulated_cuda_top_k_matches_the_reference_on_every_route(width, k):
 
 # ------------------------------------------------------------------ Triton, interpreted (small)
 @pytest.fixture
-def triton_ops():
+def triton_ops(monkeypatch):
+    """The kernels' device entry points (``ops``) under the interpreter, the Triton top-k shrunk
+    (64 scores an iteration; the sampled one's candidates and samples) so small rows take every
+    path."""
     pytest.importorskip("triton")
     import interpret_env
 
     if interpret_env.CUDA:
         pytest.skip(interpret_env.SKIP_WITH_CUDA)
-    from vllm_sparse_sync.kernels import triton_ops
+    from vllm_sparse_sync.kernels import ops
+    from vllm_sparse_sync.kernels.triton import topk_radix, topk_sample
 
-    return triton_ops
+    for name, value in dict(CAP=128, SAMPLE_ABOVE=128, SAMPLES=64, BLOCK=64, RESOLVE_BLOCK=64).items():
+        monkeypatch.setattr(topk_sample, name, value)
+    monkeypatch.setattr(topk_radix, "BLOCK", 64)
+    return ops
 
 
 def _configs():
-    from vllm_sparse_sync.kernels.config import FusedConfig, KernelConfig, TopkConfig
+    from vllm_sparse_sync.kernels.config import KernelConfig
 
-    unfused = FusedConfig(enabled=False)
-    small = TopkConfig(algo="sample", cap=128, sample_above=128, samples=64, block=64, resolve_block=64)
-    return {"radix": KernelConfig(topk=TopkConfig(algo="radix", block=64), fused=unfused),
-            "sample": KernelConfig(topk=small, fused=unfused)}
+    return {"radix": KernelConfig(topk="radix", fused=False), "sample": KernelConfig(topk="sample", fused=False)}
 
 
 @pytest.mark.parametrize("algo", ["radix", "sample"])

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
 from adversarial import ALL_ROWS, KINDS, adversarial_rows, sets
 
-from vllm_sparse_sync.kernels.cuda import topk_emu as emu
 from vllm_sparse_sync.kernels import reference as ref
+from vllm_sparse_sync.kernels.cuda import topk_emu as emu
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 DEV = "cuda"
@@ -39,15 +40,20 @@ def _need_cuda_topk(cluster: bool = False) -> None:
         pytest.skip("the cluster route needs sm_90+")
 
 
-def _config(route: str):
-    from vllm_sparse_sync.kernels.config import DEFAULT_CONFIG
+CONFIGS = {"auto": {}, "radix": {"topk": "radix", "fused": False},
+           "sample": {"topk": "sample", "fused": False}, "cuda-cta": {"topk": "cuda"}, "fused": {}}
+"""each workspace route's config fields; "cuda-cta" and "fused" plan as on a device without the
+cluster top-k (the one-CTA CUDA top-k; calls of few rows fused)"""
 
-    return {
-        "auto": DEFAULT_CONFIG,
-        "radix": DEFAULT_CONFIG.with_values(**{"topk.algo": "radix", "fused.enabled": False}),
-        "sample": DEFAULT_CONFIG.with_values(**{"topk.algo": "sample", "fused.enabled": False}),
-        "cuda-cta": DEFAULT_CONFIG.with_values(**{"topk.algo": "cuda_radix", "topk.cuda_cluster": False}),
-    }[route]
+
+def _ws(route: str, rows: int, width: int = 0, k: int = K):
+    from vllm_sparse_sync.kernels.config import DEFAULT_CONFIG
+    from vllm_sparse_sync.kernels.device import device_info
+    from vllm_sparse_sync.kernels.workspace import IndexerTopkWorkspace
+
+    config = DEFAULT_CONFIG.with_values(**CONFIGS[route])
+    info = replace(device_info(DEV, config), cluster_smem=0) if route in ("cuda-cta", "fused") else None
+    return IndexerTopkWorkspace(rows, k, width, DEV, config=config, device_info=info)
 
 
 ROUTES = ["radix", "sample", "cuda-cta", "cluster-1", "cluster-2", "cluster-4", "cluster-8", "cluster-16",
@@ -58,8 +64,7 @@ the planner's, and whatever the planner picks (``kernels.topk_indices`` on a wor
 
 def _run(route: str, x: torch.Tensor, lens: torch.Tensor, out: torch.Tensor, ws=None) -> torch.Tensor:
     """``route``'s top-``out.shape[1]`` of ``x`` (any row stride) into ``out``."""
-    from vllm_sparse_sync.kernels import triton_ops
-    from vllm_sparse_sync.kernels.workspace import IndexerTopkWorkspace
+    from vllm_sparse_sync.kernels import ops
 
     rows, width = x.shape
     k = out.shape[1]
@@ -71,8 +76,8 @@ def _run(route: str, x: torch.Tensor, lens: torch.Tensor, out: torch.Tensor, ws=
                                  cluster=None if size == "auto" else int(size))
         return out
     if ws is None:
-        ws = IndexerTopkWorkspace(rows, k, 0, DEV, config=_config(route))
-    return triton_ops.topk_indices(x, lens, k, workspace=ws, out=out)
+        ws = _ws(route, rows, k=k)
+    return ops.topk_indices(x, lens, k, workspace=ws, out=out)
 
 
 def _prepare(route: str) -> None:
@@ -116,9 +121,9 @@ def _split_row_counts(width: int) -> list[int]:
     """Every row count the planner changes its mind at, and the one past it: the cluster sizes
     (``cuda_topk.plan_cluster`` on this device), the Triton sampled top-k, the one-CTA CUDA top-k,
     the fused step, the CUDA scorer, and the most rows a cluster launch takes."""
-    from vllm_sparse_sync.kernels.config import DEFAULT_CONFIG
+    from vllm_sparse_sync.kernels import planner
     from vllm_sparse_sync.kernels.cuda.topk import plan_cluster
-    from vllm_sparse_sync.kernels.workspace import device_sm_count
+    from vllm_sparse_sync.kernels.device import device_sm_count
 
     sms = device_sm_count(DEV)
     try:
@@ -136,8 +141,8 @@ def _split_row_counts(width: int) -> list[int]:
         if size != last:
             counts |= {rows - 1, rows}
             last = size
-    cfg = DEFAULT_CONFIG
-    for t in (cfg.topk.sample_min_rows, cfg.topk.cuda_min_rows, cfg.fused.max_rows + 1, cfg.scorer.cuda_min_rows):
+    for t in (planner.SAMPLE_MIN_ROWS, planner.CUDA_TOPK_MIN_ROWS, planner.FUSED_MAX_ROWS + 1,
+              planner.CUDA_SCORER_MIN_ROWS):
         counts |= {t - 1, t}
     counts |= {65535, 65536}
     return sorted(c for c in counts if c >= 1)
@@ -160,13 +165,11 @@ def test_every_row_count_the_planner_splits_on(route, width):
 
 @pytest.mark.parametrize("route", ["auto", "cluster-auto", "cluster-16", "radix", "sample", "cuda-cta"])
 def test_graph_replays_with_new_adversarial_data_in_the_same_buffers(route):
-    from vllm_sparse_sync.kernels.workspace import IndexerTopkWorkspace
-
     _prepare(route)
     rows, width = 24, 70000
     buf, x, lens = _device_rows(rows, width, seed=1, offset=4, pad=12)
     out = torch.empty(rows, K, dtype=torch.int32, device=DEV)
-    ws = None if route.startswith("cluster") else IndexerTopkWorkspace(rows, K, 0, DEV, config=_config(route))
+    ws = None if route.startswith("cluster") else _ws(route, rows)
     _run(route, x, lens, out, ws=ws)  # compile and warm outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -200,15 +203,11 @@ def _degenerate_step_inputs(rows: int, kind: str):
 @pytest.mark.parametrize("rows", [1, 8, 9, 33])
 @pytest.mark.parametrize("route", ["auto", "fused", "radix", "sample"])
 def test_the_whole_step_on_degenerate_scores(route, rows, kind):
-    from vllm_sparse_sync.kernels import triton_ops
-    from vllm_sparse_sync.kernels.config import DEFAULT_CONFIG
-    from vllm_sparse_sync.kernels.workspace import IndexerTopkWorkspace
+    from vllm_sparse_sync.kernels import ops
 
-    cfg = {"auto": DEFAULT_CONFIG, "fused": DEFAULT_CONFIG.with_values(**{"topk.cuda_cluster": False}),
-           "radix": _config("radix"), "sample": _config("sample")}[route]
     case = _degenerate_step_inputs(rows, kind)
-    ws = IndexerTopkWorkspace(rows, K, 8192, DEV, config=cfg)
-    got = triton_ops.indexer_topk(*case.args, K, width=8192, workspace=ws)
+    ws = _ws(route, rows, 8192)
+    got = ops.indexer_topk(*case.args, K, width=8192, workspace=ws)
     want = ref.indexer_topk(*case.args, K, width=8192)
     assert torch.equal(sets(got), sets(want)), (route, rows, kind)
 
@@ -228,9 +227,8 @@ def _bad_table(rows: int, pages: int, seed: int) -> torch.Tensor:
 def test_slots_of_bad_page_entries_are_minus_one_and_counted(route):
     """The cluster top-k's slots entries and the Triton transform (every other route): a slot is a
     valid slot or -1, and the counter holds the reference's count."""
-    from vllm_sparse_sync.kernels import triton_ops
+    from vllm_sparse_sync.kernels import ops
     from vllm_sparse_sync.kernels.cuda.topk import launch_cuda_topk_cluster
-    from vllm_sparse_sync.kernels.workspace import IndexerTopkWorkspace
 
     _prepare(route)
     rows, width = 24, 70000
@@ -247,8 +245,8 @@ def test_slots_of_bad_page_entries_are_minus_one_and_counted(route):
         launch_cuda_topk_cluster(x, x.stride(0), lens, None, got, K, width, cluster=None if size == "auto" else int(size),
                                  page_table=table, page_bits=6, unmapped=counter)
     else:
-        ws = IndexerTopkWorkspace(rows, K, 0, DEV, config=_config(route))
-        triton_ops.topk_indices(x, lens, K, workspace=ws, out=got, page_table=table, page_size=64, unmapped=counter)
+        ops.topk_indices(x, lens, K, workspace=_ws(route, rows), out=got, page_table=table, page_size=64,
+                         unmapped=counter)
     assert torch.equal(sets(got), sets(want))
     assert bool(((got >= 0) | (got == -1)).all())
     assert int(counter) == int(want_counter) > 0

@@ -1,10 +1,11 @@
 """The step under several kernel configs, interleaved in one process: which config is faster, shape by shape.
 
-    python tools/step_ab.py --shapes 1x65536,64x65536 --base scorer.precise=false \\
-        --config triton: --config cuda:scorer.cuda_fp8_min_tokens=1 [--serving] [--rounds 3] [--json F]
+    python tools/step_ab.py --shapes 1x65536,64x65536 --base precise=false \\
+        --config triton: --config cuda:planner.CUDA_FP8_SCORER_MIN_TOKENS=1 [--serving] [--rounds 3] [--json F]
 
-Each ``--config NAME:ASSIGNMENTS`` (as ``indexer.py --config``, over ``--base``; the first is the
-baseline) gets its own workspace: the call's own size (as ``indexer.py``'s fp8 step), or with
+Each ``--config NAME:ASSIGNMENTS`` (over ``--base``; the first is the baseline) is a ``KernelConfig``
+(``precise=false,topk=radix``: as ``indexer.py --config``) and planner constants set while its
+routes are planned (``planner.NAME=INT``: a threshold's A/B); each config gets its own workspace: the call's own size (as ``indexer.py``'s fp8 step), or with
 ``--serving`` a serving runner's (``max(B, indexer.SERVING_ROWS)`` rows, 128K wide, as its exact
 step). For every shape, each config's step and its scorer alone (the route's kernel and splits, into that
 workspace's logits) are captured as CUDA graphs of rotated inputs and replayed interleaved
@@ -35,8 +36,50 @@ def parse_named(text: str) -> tuple[str, str]:
     """``"NAME:ASSIGNMENTS"`` -> (NAME, ASSIGNMENTS); the name is required, the assignments may be empty."""
     name, sep, assignments = text.partition(":")
     if not sep or not name.strip():
-        raise ValueError(f"expected NAME:ASSIGNMENTS (e.g. cuda:scorer.cuda_fp8_min_tokens=1), got {text!r}")
+        raise ValueError(f"expected NAME:ASSIGNMENTS (e.g. cuda:planner.CUDA_SCORER_MIN_ROWS=1), got {text!r}")
     return name.strip(), assignments.strip()
+
+
+def split_constants(text: str) -> tuple[str, dict[str, int]]:
+    """``text``'s ``KernelConfig`` assignments and its ``planner.NAME=INT`` constants (each a
+    constant the planner has, with an int value), apart."""
+    from vllm_sparse_sync.kernels import planner
+
+    rest, constants = [], {}
+    for item in (s.strip() for s in text.split(",") if s.strip()):
+        key, _, raw = item.partition("=")
+        if not key.strip().startswith("planner."):
+            rest.append(item)
+            continue
+        name = key.strip()[len("planner."):]
+        if not name.isupper() or not isinstance(getattr(planner, name, None), int):
+            raise ValueError(f"config key {key.strip()!r}: the planner has no int constant {name!r}")
+        try:
+            constants[name] = int(raw)
+        except ValueError:
+            raise ValueError(f"config key {key.strip()!r}: takes an int, got {raw.strip()!r}") from None
+    return ",".join(rest), constants
+
+
+class Variant:
+    """One named config: its ``KernelConfig`` and the planner constants its routes are planned with."""
+
+    def __init__(self, config, constants: dict[str, int]):
+        self.config, self.constants = config, constants
+
+    def __enter__(self):
+        from vllm_sparse_sync.kernels import planner
+
+        self._saved = {n: getattr(planner, n) for n in self.constants}
+        for n, v in self.constants.items():
+            setattr(planner, n, v)
+        return self.config
+
+    def __exit__(self, *exc):
+        from vllm_sparse_sync.kernels import planner
+
+        for n, v in self._saved.items():
+            setattr(planner, n, v)
 
 
 def joined(base: str, assignments: str) -> str:
@@ -74,7 +117,8 @@ def table(rows: list[dict], names: list[str]) -> str:
 
 
 def measure(B: int, L: int, configs: dict, serving: bool, rounds: int, iters: int) -> dict:
-    """One shape under every config (name -> KernelConfig), interleaved."""
+    """One shape under every config (name -> ``Variant``), interleaved; each config's routes are
+    planned (and memoized by its workspace) under its own planner constants."""
     import indexer as ix
     from graph_timer import interleaved_replay_us
 
@@ -86,14 +130,15 @@ def measure(B: int, L: int, configs: dict, serving: bool, rounds: int, iters: in
     inp = ix.Inputs(B, L, copies)
     out = torch.empty(B, ix.TOPK, dtype=torch.int32, device=ix.DEV)
     named, extra, bad, base_logits, spaces = {}, {}, [], None, {}
-    for name, cfg in configs.items():
-        ws = (IndexerTopkWorkspace(max(B, ix.SERVING_ROWS), ix.TOPK, ix.WIDE, ix.DEV, config=cfg) if serving
-              else IndexerTopkWorkspace(B, ix.TOPK, L, ix.DEV, config=cfg))
-        spaces[name] = ws
-        route = ws.plan_call(B, L, ix.PAGE)
+    for name, variant in configs.items():
+        with variant as cfg:  # the route planned and memoized under the variant's constants
+            ws = (IndexerTopkWorkspace(max(B, ix.SERVING_ROWS), ix.TOPK, ix.WIDE, ix.DEV, config=cfg) if serving
+                  else IndexerTopkWorkspace(B, ix.TOPK, L, ix.DEV, config=cfg))
+            spaces[name] = ws
+            route = ws.plan_call(B, L, ix.PAGE)
+            got = tk.indexer_topk(*inp.args(0), ix.TOPK, width=L, workspace=ws)
         extra[f"kind_{name}"] = route.scorer
         extra[f"splits_{name}"] = route.score_splits
-        got = tk.indexer_topk(*inp.args(0), ix.TOPK, width=L, workspace=ws)
         logits = ws.logits[:B, :L].clone()
         rows = min(B, 2)
         bad += [f"{name}: {v}" for v in topk_violations(got[:rows], logits[:rows], inp.lens[:rows], ix.TOPK)]
@@ -116,7 +161,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="1x65536,64x65536")
     ap.add_argument("--base", default="",
-                    help="assignments every config starts from (as indexer.py --config)")
+                    help="assignments every config starts from (KernelConfig fields, planner.NAME=INT)")
     ap.add_argument("--config", action="append", default=[],
                     help="NAME:ASSIGNMENTS; the first is the baseline")
     ap.add_argument("--serving", action="store_true",
@@ -136,7 +181,8 @@ def main() -> None:
             name, assignments = parse_named(text)
             if name in configs:
                 raise ValueError(f"config name {name!r} given twice")
-            configs[name] = ix.parse_config(joined(a.base, assignments))
+            rest, constants = split_constants(joined(a.base, assignments))
+            configs[name] = Variant(ix.parse_config(rest), constants)
         except (ValueError, TypeError, KeyError) as exc:
             ap.error(f"--config: {exc}")
     if a.rounds < 1 or a.iters < 1:

@@ -13,7 +13,7 @@ import torch
 from . import reference as ref
 from .config import DEFAULT_CONFIG, KernelConfig
 from .launch import CooperativeLaunchRefused, launch_scorer, launch_topk, run_step
-from .planner import DeviceInfo, Route, plan_route
+from .planner import DeviceInfo, Route, score_splits, scorer_for
 from .workspace import IndexerTopkWorkspace
 
 _check = ref._check
@@ -115,8 +115,9 @@ def paged_indexer_logits(
     if rows == 0 or width == 0:
         return out
     sel_width = min(width, block_table.shape[1] * page)
-    route = plan_route(rows, sel_width, page, _scorer_device(q_fp8.device, config), config,
-                       scorer_fits=scorer_fits(q_fp8, k_cache, block_table, page))
+    device = _scorer_device(q_fp8.device, config)
+    kind = scorer_for(rows, page, device, config, sel_width, scorer_fits(q_fp8, k_cache, block_table, page))
+    route = Route("scorer", rows, score_splits=score_splits(rows, device.num_sms, kind), scorer=kind)
     _launch_dense_scores(route, q_fp8, weights, k_cache, block_table, row_lens, active_width, out,
                          page=page, sel_width=sel_width, fill_width=width, config=config)
     return out

@@ -109,14 +109,16 @@ class Route:
         return self.kind == FUSED
 
     def describe(self) -> str:
-        """The route in words, e.g. ``cuda scorer (66 a row), cuda top-k: clusters of 8 x 1024``."""
+        """The route in words: its kernels (module entries) and their grids."""
         if self.fused:
             return f"fused triton step ({self.fused_parts} a row, {self.fused_tiles} tiles a program)"
         head = f"{self.scorer} scorer ({self.score_splits} a row)" if self.score_splits else "top-k only"
         if self.kind == CUDA_RADIX and self.topk_cluster:
-            topk = f"cuda top-k: {self.topk_cluster} CTAs x {self.topk_threads} a row, cap {self.topk_cap}"
+            ctas = f"{self.topk_cluster} CTA{'s' if self.topk_cluster > 1 else ''}"
+            topk = (f"cuda top-k topk_cluster_c{self.topk_cluster}_t{self.topk_threads}: {ctas} a row, "
+                    f"{self.topk_cap} keys a CTA in shared memory")
         elif self.kind == CUDA_RADIX:
-            topk = "cuda top-k: one CTA a row"
+            topk = "cuda top-k topk_radix_t1024_v4: one CTA a row"
         else:
             topk = f"triton {self.kind} top-k ({self.topk_chunks} a row)"
         return f"{head}, {topk}"
@@ -130,14 +132,16 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def fused_grid(rows: int, width: int, page: int, slots: int, max_keys: int = FUSED_MAX_KEYS,
-               max_parts: int = FUSED_MAX_PARTS) -> tuple[int, int] | None:
+def fused_grid(rows: int, width: int, page: int, slots: int, max_keys: int | None = None,
+               max_parts: int | None = None) -> tuple[int, int] | None:
     """``(programs a row, tiles a program)`` of the fused step, or None where it does not fit.
 
     ``slots``: programs that can be resident at once. ``programs * tiles`` covers the width's
     tiles, so a row of any live length up to the width splits into contiguous chunks of
     ``cdiv(live tiles, programs) <= tiles`` tiles, one a program.
     """
+    max_keys = FUSED_MAX_KEYS if max_keys is None else max_keys
+    max_parts = FUSED_MAX_PARTS if max_parts is None else max_parts
     if rows <= 0 or width <= 0 or page <= 0 or page & (page - 1) or rows > slots:
         return None
     tiles = _cdiv(width, page)

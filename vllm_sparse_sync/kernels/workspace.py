@@ -8,12 +8,15 @@ looks its routes up in its ``StepPlan``.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from .config import DEFAULT_CONFIG, KernelConfig
-from .device import device_info, device_sm_count
-from .planner import FUSED_CTAS_PER_SM, FUSED_MAX_ROWS, SAMPLE, TOPK_CTAS_PER_SM, DeviceInfo, Route, \
-    plan_route, topk_algo_for
+from .device import device_info as query_device
+from .device import device_sm_count
+from . import planner
+from .planner import SAMPLE, DeviceInfo, Route, plan_route, topk_algo_for
 
 
 class IndexerTopkWorkspace:
@@ -33,6 +36,7 @@ class IndexerTopkWorkspace:
         *,
         config: KernelConfig = DEFAULT_CONFIG,
         num_sms: int | None = None,
+        device_info: DeviceInfo | None = None,
     ) -> None:
         from .. import checks
 
@@ -47,8 +51,8 @@ class IndexerTopkWorkspace:
         self.rows, self.k, self.width = rows, k, width
         self.config = config
         self.num_sms = int(num_sms) if num_sms is not None else device_sm_count(str(self.device))
-        self.fused_ctas_per_sm = FUSED_CTAS_PER_SM  # lowered if a cooperative launch is refused
-        max_pairs = max(self.num_sms * TOPK_CTAS_PER_SM, rows)
+        self.fused_ctas_per_sm = planner.FUSED_CTAS_PER_SM  # lowered if a cooperative launch is refused
+        max_pairs = max(self.num_sms * planner.TOPK_CTAS_PER_SM, rows)
         i32 = dict(dtype=torch.int32, device=self.device)
         # radix top-k: per pass and row a histogram, tickets, row state; per chunk pass-3 stats
         self.hist = torch.zeros(4 * rows * 256, **i32)
@@ -67,8 +71,8 @@ class IndexerTopkWorkspace:
         self.logits = torch.empty(rows if width else 0, width, dtype=torch.float32, device=self.device)
         # fused step, for calls of up to FUSED_MAX_ROWS rows (whatever the capacity): per row two
         # 256-bin histograms, barrier counters, candidates, a stall flag; per program two counts
-        fr = min(rows, FUSED_MAX_ROWS) if (config.fused and width) else 0
-        slots = self.num_sms * FUSED_CTAS_PER_SM
+        fr = min(rows, planner.FUSED_MAX_ROWS) if (config.fused and width) else 0
+        slots = self.num_sms * planner.FUSED_CTAS_PER_SM
         self.fused_hist = torch.zeros(fr * 512, **i32)
         self.fused_cand_key = torch.zeros(fr, width if fr else 0, **i32)
         self.fused_cand_pos = torch.zeros(fr, width if fr else 0, **i32)
@@ -79,6 +83,9 @@ class IndexerTopkWorkspace:
         self.unmapped = torch.zeros(1, **i32)
         self._fused_stash: torch.Tensor | None = None
         self._routes: dict[tuple, Route] = {}
+        if device_info is not None and not isinstance(device_info, DeviceInfo):
+            raise TypeError(f"device_info: must be a DeviceInfo, got {type(device_info).__name__}")
+        self._given = device_info
         self._device: DeviceInfo | None = None
 
     @property
@@ -87,10 +94,14 @@ class IndexerTopkWorkspace:
         return self.fused_sync.numel() // 8
 
     def device_info(self) -> DeviceInfo:
-        """What the planner knows of this workspace's device (queried once; the fused programs per
-        SM as the device last accepted them)."""
+        """What the planner knows of this workspace's device: queried once, or the ``device_info``
+        it was made with (to plan as another device would: tests, a benchmark's comparisons); the
+        fused programs per SM as the device last accepted them."""
         if self._device is None or self._device.fused_ctas_per_sm != self.fused_ctas_per_sm:
-            self._device = device_info(self.device, self.config, self.fused_ctas_per_sm, self.num_sms)
+            if self._given is not None:
+                self._device = replace(self._given, fused_ctas_per_sm=self.fused_ctas_per_sm)
+            else:
+                self._device = query_device(self.device, self.config, self.fused_ctas_per_sm, self.num_sms)
             self._routes.clear()
         return self._device
 
