@@ -125,3 +125,25 @@ def test_a_sync_only_without_a_shadow_fails_the_new_path_and_only_it(monkeypatch
     assert failed == {NO_SHADOW}, format_report(rows, torch.device("cpu"))
     row = next(r for r in rows if r.path == NO_SHADOW)
     assert row.host_reads >= 1 and "test_cli.py" in row.detail
+
+
+def test_plan_prints_the_kernels_of_every_row_count_for_a_described_gpu(capsys):
+    assert main(["plan", "--sm90", "132", "--max-rows", "128"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("StepPlan: 132 SMs, page 64")
+    rows = [line.split()[1] for line in out[3:]]
+    assert rows == ["1-4", "5-8", "9-16", "17-66", "67-128"]  # every row count, once, in order
+    assert "topk_cluster_c16_t1024" in out[3] and "cuda scorer" in out[3]
+
+
+def test_plan_on_this_host_and_bad_options(capsys):
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    assert main(["plan", "--max-rows", "8", "--max-model-len", "4096"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"IndexerStep(b12x, max_rows=8, max_pages_per_req=64, device={device}")
+    if device == "cpu":
+        assert "the torch reference" in out
+    for argv, why in ((["--config", "bogus=1"], "unknown field 'bogus'"), (["--max-rows", "0"], "--max-rows"),
+                      (["--sm90", "0"], "--sm90"), (["--page-size", "48"], "page_size")):
+        assert main(["plan", *argv]) == 2
+        assert why in capsys.readouterr().err

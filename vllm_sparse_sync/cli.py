@@ -1,4 +1,4 @@
-"""Command-line entry: ``vllm-sparse-sync audit``, ``selftest`` and ``prebuild``.
+"""Command-line entry: ``vllm-sparse-sync audit``, ``selftest``, ``plan`` and ``prebuild``.
 
 Usage errors are one line on stderr and exit status 2, checked before any work starts.
 """
@@ -12,8 +12,8 @@ from collections.abc import Sequence
 
 
 DESCRIPTION = ("Check that sparse-attention indexer decode steps never synchronize the host: audit "
-               "the bound paths, measure which torch ops sync (selftest), compile the CUDA kernels "
-               "ahead of time (prebuild).")
+               "the bound paths, measure which torch ops sync (selftest), print a step's kernels "
+               "(plan), compile the CUDA kernels ahead of time (prebuild).")
 
 SEED_MAX = 2**63 - 1
 """Largest seed a batch may have (torch generators take 64-bit seeds)."""
@@ -206,6 +206,34 @@ def _prebuild(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan(args: argparse.Namespace) -> int:
+    from . import IndexerLayout, IndexerStep
+    from .bounds import capture_stable_bound
+    from .kernels.config import parse_config
+    from .kernels.device import sm90_device_info
+    from .step import step_plan
+
+    try:
+        layout = IndexerLayout(backend=args.backend, compress_ratio=args.compress_ratio, topk=args.topk,
+                               page_size=args.page_size, max_model_len=args.max_model_len)
+        config = parse_config(args.config)
+    except (TypeError, ValueError) as exc:
+        raise UsageError(str(exc)) from None
+    if args.max_rows < 1:
+        raise UsageError(f"--max-rows: must be >= 1, got {args.max_rows}")
+    pages = -(-capture_stable_bound(layout) // layout.page_size)
+    if args.sm90 is not None:
+        if args.sm90 < 1:
+            raise UsageError(f"--sm90: an SM count >= 1, got {args.sm90}")
+        print(step_plan(layout, args.max_rows, pages, sm90_device_info(args.sm90), config))
+        return 0
+    import torch
+
+    device = parse_device(args.device) or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    print(repr(IndexerStep(layout, max_rows=args.max_rows, max_pages_per_req=pages, device=device, config=config)))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``vllm-sparse-sync`` command."""
     from . import __version__
@@ -239,6 +267,20 @@ def build_parser() -> argparse.ArgumentParser:
                           help="comma-separated layers to measure (default: all)")
     selftest.add_argument("--json", metavar="FILE", help="also write the rows as JSON to FILE")
     selftest.set_defaults(func=_selftest)
+    plan = sub.add_parser("plan", help="print the kernels a decode step takes at each row count")
+    plan.add_argument("--backend", choices=("b12x", "deepgemm"), default="b12x",
+                      help="the host contract (default b12x: the block table's width)")
+    plan.add_argument("--max-model-len", type=int, default=131072, metavar="TOKENS")
+    plan.add_argument("--compress-ratio", type=int, default=1, metavar="R")
+    plan.add_argument("--page-size", type=int, default=64, metavar="ROWS")
+    plan.add_argument("--topk", type=int, default=2048, metavar="K")
+    plan.add_argument("--max-rows", type=int, default=256, metavar="N", help="most decode rows a step (default 256)")
+    plan.add_argument("--config", default="", metavar="FIELD=VALUE,...",
+                      help="KernelConfig choices, e.g. precise=false,topk=radix")
+    plan.add_argument("--device", help="plan on this torch device (default: cuda if available, else cpu)")
+    plan.add_argument("--sm90", type=int, metavar="SMS",
+                      help="plan for an sm_90 GPU of SMS SMs with NVRTC (H100, H200: 132), on any host")
+    plan.set_defaults(func=_plan)
     pre = sub.add_parser("prebuild", help="compile the CUDA kernels into the NVRTC cubin cache ahead of "
                                           "time (no GPU needed)")
     pre.add_argument("--arch", help="the GPU's arch, e.g. sm_90 for H100/H200 (default: this host's GPU)")

@@ -21,7 +21,7 @@ from .bounds import capture_stable_bound
 from .kernels import reference as ref
 from .kernels.config import DEFAULT_CONFIG, KernelConfig
 from .kernels.launch import CooperativeLaunchRefused
-from .kernels.planner import CUDA, Route, StepPlan, plan_step, width_bands
+from .kernels.planner import CUDA, DeviceInfo, Route, StepPlan, plan_step, width_bands
 from .layout import IndexerBackend, IndexerLayout
 from .metadata import IndexerDecodeMetadata, IndexerMetadataBuilder
 
@@ -40,6 +40,19 @@ class StepHealth:
     @property
     def ok(self) -> bool:
         return self.stalled_rows == 0 and self.unmapped_slots == 0
+
+
+def step_plan(layout: IndexerLayout, max_rows: int, max_pages_per_req: int, device: DeviceInfo,
+              config: KernelConfig = DEFAULT_CONFIG) -> StepPlan:
+    """The plan of a step of ``layout``: every row count up to ``max_rows`` at the widths its calls
+    name (B12X: the block table's; DeepGEMM-style: bands of the host bound up to the capacity)."""
+    width = max_pages_per_req * layout.page_size
+    if layout.backend is IndexerBackend.B12X:
+        widths: tuple[int, ...] = (width,)
+    else:
+        widths = width_bands(max(width, capture_stable_bound(layout)), layout.page_size)
+    fits = layout.page_size == 64 and layout.head_dim == 128 and layout.num_heads in (32, 64)
+    return plan_step(max_rows, widths, layout.page_size, device, config, scorer_fits=fits)
 
 
 def _positive(name: str, v: object, high: int | None = None) -> int:
@@ -78,18 +91,10 @@ class IndexerStep:
         """The kernels of every call this step can see (None: the torch reference, off CUDA)."""
 
     def _plan(self) -> StepPlan | None:
-        """The step's plan: every row count up to ``max_rows`` at the widths its calls name (B12X:
-        the block table's; DeepGEMM-style: bands of the host bound up to the capacity)."""
         if self.workspace is None:
             return None
-        lay = self.layout
-        if lay.backend is IndexerBackend.B12X:
-            widths: tuple[int, ...] = (self.max_pages_per_req * lay.page_size,)
-        else:
-            widths = width_bands(self.width_capacity, lay.page_size)
-        fits = lay.page_size == 64 and lay.head_dim == 128 and lay.num_heads in (32, 64)
-        plan = plan_step(self.max_rows, widths, lay.page_size, self.workspace.device_info(), self.config,
-                         scorer_fits=fits)
+        plan = step_plan(self.layout, self.max_rows, self.max_pages_per_req, self.workspace.device_info(),
+                         self.config)
         self._cuda_scorer = any(r.scorer == CUDA for row in plan.routes for r in row)
         return plan
 

@@ -83,3 +83,16 @@ def device_info(device: torch.device | str, config: KernelConfig, fused_ctas_per
             cluster16 = cuda_topk_mod.module_for(index).cluster16
     return DeviceInfo(sms, cooperative, fused_ctas_per_sm, cuda_topk, cluster_smem, smem_per_sm, cluster16,
                       cuda_scorer=cuda_scorer_ok(device))
+
+
+SM90_SMEM_PER_SM = 228 * 1024
+"""an sm_90 SM's shared memory (H100, H200)"""
+SM90_CLUSTER_SMEM = 227 * 1024 - 1536
+"""what a cluster top-k CTA may use there: the opt-in limit less the kernel's static share"""
+
+
+def sm90_device_info(num_sms: int) -> DeviceInfo:
+    """An sm_90 device of ``num_sms`` SMs with NVRTC (H100, H200: 132): what a plan for one takes
+    where there is none (``vllm-sparse-sync plan --sm90 132`` on any host)."""
+    return DeviceInfo(num_sms, cooperative=True, cuda_topk=True, cluster_smem=SM90_CLUSTER_SMEM,
+                      smem_per_sm=SM90_SMEM_PER_SM, cluster16=True, cuda_scorer=True)
