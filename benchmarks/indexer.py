@@ -165,7 +165,7 @@ class Inputs:
 
 def step_workspaces(B: int, L: int, config) -> tuple[IndexerTopkWorkspace, IndexerTopkWorkspace]:
     """The exact step's workspace (a serving runner's, 128K wide) and the fp8 step's (the call's
-    own size, ``scorer.precise`` off)."""
+    own size, ``precise`` off)."""
     ws = IndexerTopkWorkspace(max(B, SERVING_ROWS), TOPK, WIDE, DEV, config=config)
     ws8 = IndexerTopkWorkspace(B, TOPK, L, DEV, config=config.with_values(precise=False))
     return ws, ws8
@@ -666,7 +666,7 @@ def bench_interleaved(peers, inp: Inputs, ncalls: int, config, res: dict, iters:
     """Our exact and fp8 steps and every peer stack, each its own graph, replayed in turn
     (``graph_timer.interleaved_replay_us``): ``il_step_us``, ``il_step_fp8_us``,
     ``il_stack_<name>_us``. Timed in separate slots, a later slot can meet a lower clock (the
-    H200 holds 700 W by lowering it: benchmarks/NOTES.md, session 24); interleaved, every graph
+    H200 holds 700 W by lowering it: docs/performance.md); interleaved, every graph
     meets the same drift, so their ratios are the fair ones."""
 
     dg, vt, fi, sgl = peers

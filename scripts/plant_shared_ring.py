@@ -6,7 +6,7 @@
 The copy's ``cuda_scorer.cu`` runs one ring of R slots shared by every consumer warpgroup (slot
 it % R, its use it / R) instead of each warpgroup's own slots, so a slot's successive uses
 belong to different warpgroups and a wait can pass on a stale parity. With R = 6 the stress test
-fails (benchmarks/NOTES.md, session 15); with R = 10 the GPU cannot produce the race and only
+fails (docs/performance.md); with R = 10 the GPU cannot produce the race and only
 the CPU model (tests/test_ring_protocol.py) sees it.
 """
 

@@ -232,7 +232,7 @@ def _compile_reported(arch: str, text: str) -> tuple[bytes, str]:
 def kernel_resources(log: str, name: str) -> tuple[int, int] | None:
     """(registers a thread, spill-store bytes) of entry ``name`` in a ``ptxas -v`` log (None: not
     in it). A source change can move a kernel's registers and slow a path it does not touch
-    (benchmarks/NOTES.md, runs 174-179): the whole kernel's numbers go beside its time."""
+    (docs/performance.md): the whole kernel's numbers go beside its time."""
     m = re.search(rf"entry function '{re.escape(name)}'.*?(\d+) bytes spill stores.*?Used (\d+) registers",
                   log, re.S)
     return (int(m.group(2)), int(m.group(1))) if m else None

@@ -5,8 +5,8 @@
 NVRTC compiles the library's source and ``--source`` to PTX for ``compute_90a`` (no GPU needed);
 each ``topk_cluster_*`` entry's body is compared after register numbers, labels, parameter
 names, the scratch struct's declaration and mangled helper names are normalised away, so a
-change that leaves an entry's instructions alone reads ``same`` (benchmarks/NOTES.md, session
-35: the slots entries added without touching the positions entries' code). ``--show ENTRY``
+change that leaves an entry's instructions alone reads ``same`` (e.g. the slots entries changed
+without touching the positions entries' code). ``--show ENTRY``
 prints that entry's normalised diff. Exits 1 when an entry of the old source differs or is gone.
 """
 

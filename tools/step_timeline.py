@@ -2,7 +2,7 @@
 the top-k source and the CUDA scorer's build side by side in one process.
 
     python tools/step_timeline.py [--shapes 1x65536,8x65536] [--source old.cu --source '']
-        [--variant evict=:KEYS_EVICT_FIRST=1] [--config scorer.precise=false] [--phases]
+        [--variant evict=:KEYS_EVICT_FIRST=1] [--config precise=false] [--phases]
         [--replays 20] [--rounds 5] [--json F]
 
 A variant is a copy of topk.cu (``--source PATH``, ``''`` the library's) or ``--variant
@@ -233,7 +233,7 @@ def main() -> None:
     ap.add_argument("--phases", action="store_true",
                     help="also cuda_topk_trace.py's phase stamps (the first CTA's cycles per phase)")
     ap.add_argument("--config", default="",
-                    help="the step's config (as indexer.py --config), e.g. scorer.precise=false")
+                    help="the step's config (as indexer.py --config), e.g. precise=false")
     ap.add_argument("--json", default="")
     a = ap.parse_args()
     shapes = shapes_arg(ap, a.shapes)

@@ -4,7 +4,7 @@
                                           [--pad-mb 0] [--json FILE]
 
 Run 129 read our step up to 1 us apart between processes at 1-8 rows while the peer stack held
-(benchmarks/NOTES.md, session 24). Here one process, one set of inputs (``indexer.py``'s) and
+(docs/performance.md). Here one process, one set of inputs (``indexer.py``'s) and
 ``--workspaces`` serving-size workspaces (256 rows, 128K wide, each allocated anew) plus one sized
 to the call: each workspace's exact step, its scorer alone and its top-k alone (on the logits the
 scorer left) captured as graphs of their own, all replayed in turn

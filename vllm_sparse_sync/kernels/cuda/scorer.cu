@@ -2,7 +2,7 @@
 //
 // Compiled at run time by NVRTC (kernels/cuda/scorer.py); the torch reference
 // (kernels/reference.paged_indexer_logits) is its specification. Same grid and contract as the
-// Triton scorer (triton_scorer.py): program (row, split) of a (rows, splits) grid scores the
+// Triton scorer (kernels/triton/scorer.py): program (row, split) of a (rows, splits) grid scores the
 // 64-token tiles split, split + splits, ... of its row up to the row's device length n; a
 // position t < n is -inf where t >= live_width or its page id lies outside [0, num_pages);
 // positions at or past n are not written (with fill_width > n: -inf up to fill_width).
@@ -14,8 +14,8 @@
 //             engine (cp.async.bulk, completion on the slot's full mbarrier), as far ahead as
 //             the ring allows; a slot is refilled once the four warps that read it have arrived
 //             on its empty mbarrier. The copies mark their L2 lines evict-first: a page is read
-//             once a step, and the logits the top-k reads next stay in L2 (docs/performance.md,
-//             run 154). The producer fetches the page ids 32 tiles ahead and issues
+//             once a step, and the logits the top-k reads next stay in L2 (docs/performance.md).
+//             The producer fetches the page ids 32 tiles ahead and issues
 //             the first tiles before the CTA's one barrier. Past it no warp waits for the CTA.
 //   rings     a kernel holds STAGES slots (STAGES_SHORT or STAGES_DEEP); a program runs all of
 //             them where it has at least deep_tiles live tiles (from the device length, so the
@@ -34,7 +34,7 @@
 //             holds key bytes 32c .. 32c + 31 of its rows, and the B operand is the query with
 //             its dimensions permuted the same way (phys_dim below), so each thread's key bytes
 //             are contiguous in shared memory.
-// Launch: a programmatic dependent launch where the host asks (scorer.pdl): every CTA first waits
+// Launch: a programmatic dependent launch where the host asks (KernelConfig.pdl): every CTA first waits
 // for the stream's previous kernel (griddepcontrol.wait), then lets its own dependents launch.
 // Exactness: the PRECISE products are exact (e4m3 -> f16 is exact), sums in fp32 (as the Triton
 // scorer's fp16 dot); the e4m3 tensor-core path accumulates with ~14 mantissa bits (as DeepGEMM).
@@ -364,7 +364,7 @@ __device__ __forceinline__ void score_row(
     static_assert(STAGES % CONSUMERS == 0 && STAGES_SHORT % CONSUMERS == 0, "each consumer owns its ring's slots / CONSUMERS");
     static_assert(32 % ISSUE_LANES == 0 && ISSUE_LANES <= (STAGES < STAGES_SHORT ? STAGES : STAGES_SHORT), "a group of issued tiles shares one page-id load");
 
-    // a programmatic dependent launch (the host's scorer.pdl) waits here for the stream's previous
+    // a programmatic dependent launch (the host's KernelConfig.pdl) waits here for the stream's previous
     // kernel to complete (a no-op otherwise): nothing global is read or written before it. Only
     // then are the dependents let launch, so a dependent that reads before its own wait (the
     // top-k's live lengths) sees every write of the kernels before this one

@@ -37,7 +37,7 @@ DEEP_TILES: int | None = None
 """live tiles (the device length's, not the host bound's) from which a program of the deep-ring
 kernel runs every slot; None: the short-ring kernel for every call. None by measurement: in run
 77 the short ring was as fast or faster on every shape, the deep ring's kernel slower even where
-its programs ran the short ring (benchmarks/NOTES.md, session 15)"""
+its programs ran the short ring (docs/performance.md)"""
 NEVER_DEEP = 2**31 - 1
 """the kernel's ``deep_tiles`` where no program is to run the deep ring"""
 CONSUMERS = 4
@@ -137,7 +137,7 @@ class _Module:
         cubin, self.origin = build_cubin(defines)
         self.module = _check(driver.cuModuleLoadData(cubin), "cuModuleLoadData")
         self.functions: dict[str, object] = {}
-        self.pdl_attribute = cuda_topk.pdl_launch_attribute(driver)  # scorer.pdl's launches
+        self.pdl_attribute = cuda_topk.pdl_launch_attribute(driver)  # KernelConfig.pdl's launches
 
     def function(self, heads: int, precise: bool, stages: int = STAGES_SHORT):
         name = kernel_name(heads, precise, stages)

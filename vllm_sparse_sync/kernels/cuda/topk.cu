@@ -1173,7 +1173,7 @@ __device__ __forceinline__ u32 reg_field(const u32 (&v)[W], int j) {
 // totals; one barrier (BAR). Each field's prefix and total stay below 2^16. s_scan holds
 // W * ACT / 32 words. Every word is scanned, dead groups' zeros too: the warp collectives
 // under a block-uniform branch on the live words came out wrong from ptxas's optimizer (right
-// at -O0) once the live length reached the body through a select (docs/performance.md, runs 158-163)
+// at -O0) once the live length reached the body through a select (docs/performance.md)
 template <int ACT, int BAR, int W>
 __device__ __forceinline__ void reg_packed_scan(const u32 (&v)[W], u32 (&excl)[W], u32 (&total)[W],
                                                 u32* s_scan) {
@@ -1480,10 +1480,8 @@ __device__ __forceinline__ void topk_reg_body(const float* __restrict__ x, int n
 
 // the shared-memory body of a row split over 8 or 16 CTAs, compiled out of line: those launches
 // run it only for chunks longer than the registers hold (rows past 128K or 256K keys), and the
-// register body every shorter row runs measured faster without it inline: the top-k alone by
-// 0.1-0.3 us, the step by 0.8-1.9 us at 1-8 rows of 64K-128K, mostly in the listed-bin phase
-// (docs/performance.md, runs 147, 149 and 153). Inline stays for 2 and 4 CTAs, whose 64K-128K
-// rows run this body
+// register body every shorter row runs is faster without it inline (docs/performance.md). Inline
+// stays for 2 and 4 CTAs, whose 64K-128K rows run this body
 template <int C, int THREADS, bool ALIGNED, bool SLOTS>
 __device__ __noinline__ void split_smem_row(const float* __restrict__ x, int n, int k, int* __restrict__ o,
                                             int nan_low, int cap, u32 rank, FirstKeys first,
@@ -1540,7 +1538,7 @@ __device__ __forceinline__ void topk_cluster_row(const float* __restrict__ logit
 
     // shared memory only: may overlap the previous kernel (programmatic dependent launch). A
     // one-CTA 512-thread launch clears after issuing its first loads instead: its four stores a
-    // thread would queue ahead of them (docs/performance.md, runs 138-142)
+    // thread would queue ahead of them (docs/performance.md)
     constexpr int words = C == 1 ? SOLO_WORDS : 2 * PASS_WORDS;  // hist.., glob..
     constexpr int quads = words / 4;
     constexpr bool clear_late = C == 1 && THREADS == 512;
@@ -1620,7 +1618,7 @@ __device__ __forceinline__ void topk_cluster_row(const float* __restrict__ logit
 }
 
 // one CTA a row launches plainly, without a cluster attribute (measured as fast or faster at
-// every one-CTA shape: docs/performance.md, runs 140-142)
+// every one-CTA shape: docs/performance.md)
 #define CLUSTER_ATTR_1
 #define CLUSTER_ATTR_2 __cluster_dims__(2, 1, 1)
 #define CLUSTER_ATTR_4 __cluster_dims__(4, 1, 1)

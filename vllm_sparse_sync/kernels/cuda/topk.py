@@ -52,8 +52,7 @@ that can hold 16 such CTAs in one GPC (``_Module.cluster16``)"""
 WIDE_CLUSTER_MIN_KEYS = 8 * 8192
 """a bound above this many keys (more than 8192 keys per CTA of 8) takes 16 CTAs a row where the
 rows fit (``plan_cluster``), which split only a row of more than this many live keys (a shorter
-one runs on the first 8: ``cuda_topk_emu.split_ctas``); benchmarks/NOTES.md, runs 128-131: 16
-were 0.3-0.9 us faster on 1-4 rows of 128K, 0.2 and 0.7 us slower on one row of 64K and 32K"""
+one runs on the first 8: ``cuda_topk_emu.split_ctas``): the measurements are in docs/performance.md"""
 STATIC_SMEM_RESERVE = 1536
 """bytes of the opt-in shared memory left to a cluster kernel's static share"""
 
@@ -172,7 +171,7 @@ def launch_smem(plan: ClusterPlan, rows: int, sm_count: int, smem_per_sm: int, s
     programmatic dependent launch of one wave (``rows x cluster`` CTAs on ``sm_count`` SMs), enough
     that an SM holds one CTA (at most the opt-in ``smem_optin``), so the CTAs launched early wait
     one an SM on the SMs the previous kernel leaves idle instead of packing there (several on one
-    SM run slower once released: 128 rows of 8K, benchmarks/NOTES.md session 16); the plan's
+    SM run slower once released: 128 rows of 8K, docs/performance.md); the plan's
     otherwise."""
     if not pdl or rows * plan.cluster > sm_count:
         return plan.smem
