@@ -387,7 +387,10 @@ def test_kernel_source_compiles_before_sm90(arch):
     """The one-CTA kernels serve every device from ``MIN_CAPABILITY`` up, so the source compiles
     for the archs before Hopper too (sm_70 and sm_75 have no warp redux), the cluster kernels
     compiled out."""
-    assert cuda_topk.MIN_CAPABILITY <= (int(arch[3]), int(arch[4]))
+    cap = (int(arch[3]), int(arch[4]))
+    assert cuda_topk.MIN_CAPABILITY <= cap
+    if not cuda_topk.compiles_for(cap):  # CUDA 13's NVRTC dropped sm_70: the device takes Triton there
+        pytest.skip(f"{NVRTC_WHY} does not compile for {arch}")
     code, _ = cuda_topk.compile_source(arch, output="ptx")
     text = code.decode(errors="replace")
     for threads, vec in cuda_topk.VARIANTS:

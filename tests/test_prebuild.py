@@ -30,6 +30,7 @@ def fake_nvrtc(monkeypatch):
     monkeypatch.setattr(cuda_topk, "compile_source", fake)
     monkeypatch.setattr(cuda_topk, "compiler_status", lambda: (True, "NVRTC fake"))
     monkeypatch.setattr(cuda_topk, "compiler_identity", lambda: "NVRTC fake")
+    monkeypatch.setattr(cuda_topk, "supported_archs", lambda: (70, 75, 80, 90, 100))
     monkeypatch.delenv(nvrtc_cache.SWITCH_ENV, raising=False)
     return calls
 
@@ -97,6 +98,7 @@ def test_cli_prebuild_reports_a_compile_error(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(cuda_topk, "compile_source", broken)
     monkeypatch.setattr(cuda_topk, "compiler_status", lambda: (True, "NVRTC fake"))
     monkeypatch.setattr(cuda_topk, "compiler_identity", lambda: "NVRTC fake")
+    monkeypatch.setattr(cuda_topk, "supported_archs", lambda: (90,))
     assert main(["prebuild", "--arch", "sm_90", "--cache-dir", str(tmp_path)]) == 1
     assert "NVRTC failed" in capsys.readouterr().err
     assert os.listdir(tmp_path) == []
@@ -122,3 +124,13 @@ def test_cli_prebuild_without_nvrtc_says_why(monkeypatch, capsys):
     monkeypatch.setattr(cuda_topk, "compiler_status", lambda: (False, "cuda-bindings is not installed"))
     assert main(["prebuild", "--arch", "sm_90"]) == 2
     assert "cuda-bindings is not installed" in capsys.readouterr().err
+
+
+def test_an_arch_this_nvrtc_does_not_compile_for_is_refused_by_name(tmp_path, fake_nvrtc, monkeypatch, capsys):
+    """A newer NVRTC drops old archs (CUDA 13: sm_70): prebuild says so instead of failing in NVRTC."""
+    monkeypatch.setattr(cuda_topk, "supported_archs", lambda: (75, 80, 90))
+    with pytest.raises(RuntimeError, match="does not compile for sm_70"):
+        prebuild.prebuild((7, 0), {nvrtc_cache.DIR_ENV: str(tmp_path)}, progress=lambda s: None)
+    assert main(["prebuild", "--arch", "sm_70", "--cache-dir", str(tmp_path)]) == 2
+    assert "does not compile for sm_70" in capsys.readouterr().err
+    assert fake_nvrtc == []  # refused before anything compiles

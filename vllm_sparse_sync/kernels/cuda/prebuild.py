@@ -58,6 +58,8 @@ def prebuild(capability: tuple[int, int], environ: Mapping[str, str] | None = No
     if folder is None:
         raise RuntimeError(f"the NVRTC cubin cache is off ({nvrtc_cache.SWITCH_ENV}=0): "
                            "nothing would be kept")
+    if not cuda_topk.compiles_for(capability):
+        raise RuntimeError(f"{why} does not compile for sm_{capability[0]}{capability[1]}")
     progress(f"cubin cache: {folder} ({why})")
     rows = []
     for b in builds_for(capability):

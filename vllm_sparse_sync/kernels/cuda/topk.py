@@ -215,7 +215,22 @@ def status(device: torch.device | str | int | None = None) -> tuple[bool, str]:
     cap = torch.cuda.get_device_capability(dev)
     if cap < MIN_CAPABILITY:
         return False, f"compute capability {cap} < {MIN_CAPABILITY}"
-    return compiler_status()
+    ok, why = compiler_status()
+    if ok and not compiles_for(cap):
+        return False, f"{why} does not compile for sm_{cap[0]}{cap[1]}"
+    return ok, why
+
+
+@cache
+def supported_archs() -> tuple[int, ...]:
+    """The archs this NVRTC compiles for, as ``major * 10 + minor`` (e.g. 75, 80, 90)."""
+    _, nvrtc = _bindings()
+    return tuple(int(a) for a in _check(nvrtc.nvrtcGetSupportedArchs(), "nvrtcGetSupportedArchs"))
+
+
+def compiles_for(capability: tuple[int, int]) -> bool:
+    """Whether this NVRTC compiles for a device of ``capability`` (newer NVRTCs drop old archs)."""
+    return capability[0] * 10 + capability[1] in supported_archs()
 
 
 @cache
