@@ -4,9 +4,9 @@
 
 For every decode path (`vllm_sparse_sync.scenarios`) and batch size, the median host
 microseconds of one call (time.perf_counter around the call; on CUDA the queue is drained
-outside the timed calls, so the time is launch work, not waiting). Where vLLM 0.33 is installed
-(`vllm_sparse_sync.vllm`), vLLM's own `DeepseekV32IndexerMetadataBuilder.build()` runs on the
-same decode batches in the same process. Targets: `build()` at or under vLLM's, and <= 60 us on
+outside the timed calls, so the time is launch work, not waiting). With `--device cpu` where vLLM
+0.33 is installed (`vllm_sparse_sync.vllm`), vLLM's own `DeepseekV32IndexerMetadataBuilder.build()`
+runs on the same decode batches in the same process. Targets: `build()` at or under vLLM's, and <= 60 us on
 a CUDA host for B <= 64; an eager step <= 100 us.
 """
 

@@ -1,4 +1,4 @@
-"""Decode indexer benchmark on one GPU: our Triton scorer, top-k and whole step beside the peers.
+"""Decode indexer benchmark on one GPU: our scorer, top-k and whole step beside the peers.
 
     python benchmarks/indexer.py [--out benchmarks/results/NAME.json] [--shapes 1x4096,64x65536]
                                  [--peers-only] [--no-peers] [--config topk=radix,...]

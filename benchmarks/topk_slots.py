@@ -12,7 +12,7 @@ replays, us:
 
 * ``ours_us``: our top-k writing positions; ``ours_slots_us``: the same call with
   ``page_table=`` (on sm_90+ the cluster top-k writes the slots itself); ``ours_then_transform_us``:
-  positions, then our transform launch (``kernels.triton_slots``); ``transform_us``: that launch
+  positions, then our transform launch (``kernels.triton.slots``); ``transform_us``: that launch
   alone.
 * ``fi_<algo>_slots_us``: FlashInfer's top-k with its page-table epilogue
   (``ConfigurablePageTableKernelPolicy``, page bits 6) through ``benchmarks/flashinfer_topk_peer.cu``;

@@ -286,6 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
     pre.add_argument("--arch", help="the GPU's arch, e.g. sm_90 for H100/H200 (default: this host's GPU)")
     pre.add_argument("--cache-dir", metavar="DIR",
                      help="the cache folder (default: $VLLM_SPARSE_SYNC_CACHE_DIR, else "
+                          "$XDG_CACHE_HOME/vllm_sparse_sync/nvrtc, else "
                           "~/.cache/vllm_sparse_sync/nvrtc)")
     pre.add_argument("--json", metavar="FILE", help="also write one row a module as JSON to FILE")
     pre.set_defaults(func=_prebuild)

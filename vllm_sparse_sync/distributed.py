@@ -21,10 +21,10 @@ read from the workspace); elsewhere a sync-free torch
 version of the reference (dense, for small shapes: tests and gloo on CPUs).
 
 Around the all-gather, on CUDA (``merge_route``), kernels replace the chains of small torch
-ops: a Triton kernel (``kernels.triton_dcp_merge.dcp_send_keys``) writes the send buffer (step
+ops: a Triton kernel (``kernels.triton.dcp_merge.dcp_send_keys``) writes the send buffer (step
 2, the scores read from the scorer's logits at the selected positions), and a merge kernel does
 steps 4 and 5 for each row (a radix select over its ``W * k`` keys) into the persistent output
-buffers: the CUDA one (``kernels.cuda_dcp_merge``, rows of up to 16384 keys: world 8 at k 2048)
+buffers: the CUDA one (``kernels.cuda.dcp_merge``, rows of up to 16384 keys: world 8 at k 2048)
 where NVRTC is available, else the Triton one (up to 4096 keys), else torch. All write exactly
 what the torch ops write; those stay the route on CPU tensors and the reference.
 

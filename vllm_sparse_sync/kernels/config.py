@@ -19,8 +19,9 @@ class KernelConfig:
     """Let the NVRTC-compiled CUDA scorer and top-k run where the device and NVRTC allow; False:
     the Triton kernels only (an image without NVRTC, or to compare)."""
     topk: str = "auto"
-    """The top-k algorithm: ``"auto"`` (the planner's), or pinned to ``"radix"``, ``"sample"`` or
-    ``"cuda"`` (the CUDA top-k where it can run) to bisect a problem to one algorithm."""
+    """The unfused top-k: ``"auto"`` (the planner's), or pinned to ``"radix"``, ``"sample"`` or
+    ``"cuda"`` (the CUDA top-k where the device runs it, else the planner's Triton choice) to
+    bisect a problem to one algorithm; with ``fused=False`` every call takes it."""
     fused: bool = True
     """Let calls of few rows take the fused Triton step (one cooperative launch whose programs wait
     for each other) where the cluster top-k cannot run; False on a GPU shared with other work

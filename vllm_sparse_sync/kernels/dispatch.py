@@ -46,11 +46,15 @@ def _finish(result: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
 
 
 def paged_indexer_logits(q_fp8, weights, k_cache, block_table, row_lens, width, *,
-                         active_width=None, out=None):
-    """See ``reference.paged_indexer_logits``."""
+                         active_width=None, out=None, config=None):
+    """See ``reference.paged_indexer_logits`` (``config``: a ``KernelConfig`` for the device
+    kernels, e.g. ``precise=False``; the reference is exact)."""
     if _on_device(q_fp8):
+        from .config import DEFAULT_CONFIG
+
         return _device().paged_indexer_logits(q_fp8, weights, k_cache, block_table, row_lens, width,
-                                              active_width=active_width, out=out)
+                                              active_width=active_width, out=out,
+                                              config=DEFAULT_CONFIG if config is None else config)
     reference._check_scorer_inputs(q_fp8, weights, k_cache, block_table, row_lens, active_width)
     _check_out(out, (q_fp8.shape[0], reference.check_width(width)), torch.float32, q_fp8.device)
     res = reference.paged_indexer_logits(q_fp8, weights, k_cache, block_table, row_lens, width,

@@ -5,7 +5,7 @@ the k-th key's bin is resolved.
 
 Same output as ``dcp.merge_candidate_keys`` + ``dcp.global_to_local`` (and the Triton
 ``dcp_merge``), element for element; rows of up to ``MAX_KEYS`` keys (world 8 at k 2048). Static
-shapes, no host reads, launched on torch's current stream: capturable. ``cuda_topk_emu.dcp_merge_row``
+shapes, no host reads, launched on torch's current stream: capturable. ``topk_emu.dcp_merge_row``
 is the CPU specification of the kernel's passes.
 """
 

@@ -35,9 +35,8 @@ STAGES_DEEP = 24
 a program of at least ``DEEP_TILES`` live tiles, else the first ``STAGES_SHORT``"""
 DEEP_TILES: int | None = None
 """live tiles (the device length's, not the host bound's) from which a program of the deep-ring
-kernel runs every slot; None: the short-ring kernel for every call. None by measurement: in run
-77 the short ring was as fast or faster on every shape, the deep ring's kernel slower even where
-its programs ran the short ring (docs/performance.md)"""
+kernel runs every slot; None: the short-ring kernel for every call, which measured as fast or
+faster on every shape (docs/performance.md)"""
 NEVER_DEEP = 2**31 - 1
 """the kernel's ``deep_tiles`` where no program is to run the deep ring"""
 CONSUMERS = 4

@@ -544,7 +544,7 @@ DCP_MERGE_KERNEL(16)
 
 // ---------------------------------------------------------------------------------------------
 // Cluster route (sm_90+): C CTAs of one thread-block cluster share a row. The same selection
-// and output as topk_row above (cuda_topk_emu.py stays the specification: cluster_topk_row
+// and output as topk_row above (topk_emu.py stays the specification: cluster_topk_row
 // models the steps below):
 //
 //   split    the live prefix n is cut on the device into C chunks of `chunk` = ceil(n / C)
@@ -732,7 +732,7 @@ __device__ __forceinline__ uint4 chunk_keys4(const float* __restrict__ x, int i,
     return q;
 }
 
-#define RANGE_PAD 4  // cuda_topk_emu.RANGE_PAD
+#define RANGE_PAD 4  // topk_emu.RANGE_PAD
 #define PASS_WORDS (2 * 2048 + 1024)  // the three passes' counts: hist, hist1, hist2 (and glob0..glob2)
 
 // f(p, key) for the positions p of [r_lo, r_hi) (this thread's range, r_lo a multiple of 4), in
@@ -788,17 +788,17 @@ __device__ __forceinline__ void block_excl_scan2(u32& a, u32& b, u32* s_scan, u3
 #ifndef TOPK_TRIGGER
 #define TOPK_TRIGGER 1  // 0: experiments only (the next kernel launches when this one's CTAs leave)
 #endif
-#define SOLO_MAX 16384  // cuda_topk_emu.SOLO_MAX
-#define TIE_MAX 32  // cuda_topk_emu.TIE_MAX
-#define SOLO_TIE_MAX 128  // cuda_topk_emu.SOLO_TIE_MAX
-#define SOLO_EXP_LO 113  // cuda_topk_emu.SOLO_EXP_LO
+#define SOLO_MAX 16384  // topk_emu.SOLO_MAX
+#define TIE_MAX 32  // topk_emu.TIE_MAX
+#define SOLO_TIE_MAX 128  // topk_emu.SOLO_TIE_MAX
+#define SOLO_EXP_LO 113  // topk_emu.SOLO_EXP_LO
 #define SOLO_WORDS (4096 + 2 * 2048)  // a one-CTA row's counts: hist[4096], hist1[2048], hist2[2048]
 #define CLUSTER_UNROLL 4  // 16-byte loads in flight per thread in the first sweep
 #ifndef SHORT_ACT
 #define SHORT_ACT 512  // the threads that run a row of at most 4 * CLUSTER_UNROLL * SHORT_ACT keys
 #endif
 
-// The one-CTA pass-A bin of key u (cuda_topk_emu.solo_bin): 2048 bins per sign, 64 per binary
+// The one-CTA pass-A bin of key u (topk_emu.solo_bin): 2048 bins per sign, 64 per binary
 // octave of |x| from 2^(SOLO_EXP_LO - 127) to 2^(SOLO_EXP_LO - 95); each sign's first and last
 // bins also hold the magnitudes below and above. Non-decreasing in u; a bin is an interval of keys.
 __device__ __forceinline__ u32 solo_bin(u32 u) {
@@ -809,7 +809,7 @@ __device__ __forceinline__ u32 solo_bin(u32 u) {
     return (u32)j + (pos ? 2048u : 0u);
 }
 
-// the keys [lo, hi] of solo_bin's bin b (cuda_topk_emu.solo_bin_keys)
+// the keys [lo, hi] of solo_bin's bin b (topk_emu.solo_bin_keys)
 __device__ __forceinline__ void solo_bin_keys(u32 b, u32& lo, u32& hi) {
     const bool pos = b >= 2048u;
     const u32 j = b & 2047u, base = pos ? 0x4000u + SOLO_EXP_LO * 64 : 0x3800u - SOLO_EXP_LO * 64;
@@ -929,7 +929,7 @@ __device__ __forceinline__ void topk_cluster_body(const float* __restrict__ logi
     const int len = n - lo < 0 ? 0 : (n - lo > chunk ? chunk : n - lo);
     const int lim = len < cap ? len : cap;  // keys [0, lim) in shared memory, [lim, len) global
     const float* __restrict__ x = logits + lo;
-    // thread t's range [t * per, t * per + per) (cuda_topk_emu.thread_range); the slot of
+    // thread t's range [t * per, t * per + per) (topk_emu.thread_range); the slot of
     // position p is p + RANGE_PAD * (p / per), p / per = umulhi(p, magic) exactly (p * per < 2^32)
     const int per = (((len + THREADS - 1) / THREADS) + 7) & ~7 | 8 * (len == 0);
     const u32 magic = 0xffffffffu / (u32)per + 1u;
@@ -1195,9 +1195,9 @@ __device__ __forceinline__ void reg_packed_scan(const u32 (&v)[W], u32 (&excl)[W
 }
 
 // one row of k < n live keys held in registers: C == 1, a row of at most 4 * CLUSTER_UNROLL *
-// ACT keys on the first ACT of the CTA's THREADS threads (cuda_topk_emu.in_registers); C > 1, this
+// ACT keys on the first ACT of the CTA's THREADS threads (topk_emu.in_registers); C > 1, this
 // CTA's chunk [lo, lo + len) of at most 4 * CLUSTER_UNROLL * THREADS keys, on every thread
-// (cuda_topk_emu.chunks_in_registers). Active thread t holds the chunk positions
+// (topk_emu.chunks_in_registers). Active thread t holds the chunk positions
 // j * 4 * ACT + 4 * t + c (group j < CLUSTER_UNROLL, c < 4). `first` holds the raw bits of positions
 // u * 4 * THREADS + 4 * t + c (C == 1 and a cluster's rank 0; the other ranks load their chunk
 // from `x`, its first key); with ACT < THREADS the others hand theirs over through `spare`
@@ -1476,7 +1476,7 @@ __device__ __forceinline__ void topk_reg_body(const float* __restrict__ x, int n
 #undef REG_POS
 }
 
-#define WIDE_SPLIT_KEYS (8 * 8192)  // cuda_topk.WIDE_CLUSTER_MIN_KEYS
+#define WIDE_SPLIT_KEYS (8 * 8192)  // topk.py: WIDE_CLUSTER_MIN_KEYS
 
 // the shared-memory body of a row split over 8 or 16 CTAs, compiled out of line: those launches
 // run it only for chunks longer than the registers hold (rows past 128K or 256K keys), and the
@@ -1491,13 +1491,13 @@ __device__ __noinline__ void split_smem_row(const float* __restrict__ x, int n, 
 
 // a row of n live keys (more than SOLO_MAX or than cap) split over the C CTAs of this cluster:
 // a row whose chunks fit the registers runs from them on every CTA of a 1024-thread launch
-// (cuda_topk_emu.chunks_in_registers; 512 threads have 64 registers each)
+// (topk_emu.chunks_in_registers; 512 threads have 64 registers each)
 template <int C, int THREADS, bool ALIGNED, bool SLOTS>
 __device__ __forceinline__ void cluster_split_row(const float* __restrict__ x, int n, int k, int* __restrict__ o,
                                                   int nan_low, int cap, u32 rank, const FirstKeys& first,
                                                   BodyScratch& sc) {
     constexpr int REG_MAX = 4 * CLUSTER_UNROLL * THREADS;
-    const int chunk = ((n + C - 1) / C + 3) & ~3;  // cuda_topk_emu.cluster_chunks
+    const int chunk = ((n + C - 1) / C + 3) & ~3;  // topk_emu.cluster_chunks
     if (THREADS == 1024 && chunk <= REG_MAX) {  // cluster-uniform
         const int lo = (int)rank * chunk;
         const int len = n - lo < 0 ? 0 : (n - lo > chunk ? chunk : n - lo);
@@ -1582,7 +1582,7 @@ __device__ __forceinline__ void topk_cluster_row(const float* __restrict__ logit
         }
         return;
     }
-    // a row of at most REG_MAX keys runs from registers on rank 0 (cuda_topk_emu.in_registers),
+    // a row of at most REG_MAX keys runs from registers on rank 0 (topk_emu.in_registers),
     // whatever the bound
     if (n <= REG_MAX) {  // cluster-uniform; no cluster barrier follows
         u32* spare = smem + (C == 1 ? SOLO_WORDS : 2 * PASS_WORDS);  // the keys' words
@@ -1601,13 +1601,13 @@ __device__ __forceinline__ void topk_cluster_row(const float* __restrict__ logit
         topk_cluster_body<1, THREADS, ALIGNED, true, SLOTS>(x, n, k, o, nan_low, cap, 0u, first, sc);
         return;
     }
-    // a short row runs on rank 0 alone, as with one CTA per row (cuda_topk_emu.cluster_split)
+    // a short row runs on rank 0 alone, as with one CTA per row (topk_emu.cluster_split)
     if (n <= SOLO_MAX && n <= cap) {  // cluster-uniform; no barrier or remote access follows
         if (rank == 0u) topk_cluster_body<1, THREADS, ALIGNED, false, SLOTS>(x, n, k, o, nan_low, cap, 0u, first, sc);
         return;
     }
     // 16 CTAs split only a row of more than WIDE_SPLIT_KEYS live keys; a shorter one runs on the
-    // first 8, as a cluster of 8 (cuda_topk_emu.split_ctas). The other 8 leave now: the cluster
+    // first 8, as a cluster of 8 (topk_emu.split_ctas). The other 8 leave now: the cluster
     // barriers of the first 8 wait only for threads that have not exited, and none of the 8
     // reaches the shared memory of a rank past 7
     if (C == 16 && n <= WIDE_SPLIT_KEYS) {  // cluster-uniform

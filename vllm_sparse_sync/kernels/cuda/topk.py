@@ -3,7 +3,7 @@
 Two kernels, one output: ``launch_cuda_topk`` (one CTA per row, any CUDA GPU from sm_70) and,
 on sm_90+, ``launch_cuda_topk_cluster`` (a thread-block cluster of 1-16 CTAs per row holding the
 row's keys in shared memory and summing histograms over distributed shared memory; sized by
-the pure ``plan_cluster``). Both write the positions ``cuda_topk_emu.topk_row`` specifies.
+the pure ``plan_cluster``). Both write the positions ``topk_emu.topk_row`` specifies.
 
 Compiled on first use and cached per (device index, arch), the cubin on disk too for later
 processes (``nvrtc_cache``: a cold process otherwise spends tens of seconds in NVRTC); launched
@@ -52,7 +52,7 @@ that can hold 16 such CTAs in one GPC (``_Module.cluster16``)"""
 WIDE_CLUSTER_MIN_KEYS = 8 * 8192
 """a bound above this many keys (more than 8192 keys per CTA of 8) takes 16 CTAs a row where the
 rows fit (``plan_cluster``), which split only a row of more than this many live keys (a shorter
-one runs on the first 8: ``cuda_topk_emu.split_ctas``): the measurements are in docs/performance.md"""
+one runs on the first 8: ``topk_emu.split_ctas``): the measurements are in docs/performance.md"""
 STATIC_SMEM_RESERVE = 1536
 """bytes of the opt-in shared memory left to a cluster kernel's static share"""
 
@@ -84,7 +84,7 @@ def cluster_chunk_cap(sel_width: int, cluster: int) -> int:
 
 
 RANGE_PAD = 4
-"""words after each thread's range of keys in a cluster-route CTA (``cuda_topk_emu.RANGE_PAD``)"""
+"""words after each thread's range of keys in a cluster-route CTA (``topk_emu.RANGE_PAD``)"""
 
 
 CLUSTER_PASS_WORDS = 2 * HIST_BINS + 1024
@@ -102,7 +102,7 @@ def cluster_smem_bytes(cap: int, cluster: int, threads: int = 1024) -> int:
 
 
 SOLO_MAX = 16384
-"""a row of at most this many live keys runs on one CTA (``cuda_topk_emu.SOLO_MAX``): the planner
+"""a row of at most this many live keys runs on one CTA (``topk_emu.SOLO_MAX``): the planner
 takes one CTA per row for such a bound, and a cluster's first CTA takes such a row alone"""
 
 
