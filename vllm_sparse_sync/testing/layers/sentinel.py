@@ -21,6 +21,7 @@ import threading
 from collections.abc import Iterable
 from typing import ClassVar
 
+import numpy as np
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -186,6 +187,17 @@ def _classify(name, args, kwargs, taint: TaintSet) -> str | None:
     return None
 
 
+def _host_copy(out, taint: TaintSet):
+    """The result of a device-to-host copy as a copy of its own: a CPU stand-in's `.cpu()`,
+    `.to("cpu")` or `.numpy()` can return the watched storage itself, which a CUDA tensor's never
+    does; later host reads of it read host data and are no sync."""
+    if isinstance(out, torch.Tensor) and out in taint:
+        return out.clone()
+    if isinstance(out, np.ndarray):
+        return out.copy()
+    return out
+
+
 class _ReadMode(TorchFunctionMode):
     """Python-level calls: flags host reads, follows taint into results."""
 
@@ -205,6 +217,13 @@ class _ReadMode(TorchFunctionMode):
         kind = _classify(name, args, kwargs, taint)
         if kind is not None:
             layer.flag(kind, func)
+        if kind == D2H_COPY:  # the copy is the sync; what it returns is host data
+            layer.touched += 1
+            layer.pause()
+            try:
+                return _host_copy(func(*args, **kwargs), taint)
+            finally:
+                layer.resume()
         tainted_in = taint.any(args) or taint.any(kwargs)
         out = func(*args, **kwargs)
         if tainted_in:
