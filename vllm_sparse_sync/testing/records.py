@@ -119,6 +119,41 @@ def user_frame_of_traceback(tb) -> Frame:
     return found
 
 
+_harness = threading.local()
+
+
+@contextlib.contextmanager
+def harness_work():
+    """A block of the harness's own work on this thread (a profiler's restart, a probe's warm-up
+    and capture): the region layers running around it record nothing from this thread inside."""
+    _harness.depth = getattr(_harness, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _harness.depth -= 1
+
+
+def in_harness_work() -> bool:
+    """Whether this thread is inside `harness_work()`."""
+    return getattr(_harness, "depth", 0) > 0
+
+
+_thread_names: dict[int, str] = {}
+
+
+def note_thread() -> None:
+    """Remember this thread's name by its native id (a profiler names threads by that id, after
+    the thread may have ended)."""
+    _thread_names[threading.get_native_id()] = threading.current_thread().name
+
+
+def thread_names() -> dict[int, str]:
+    """Native thread id -> name, for the threads running now and those that ran a region."""
+    names = dict(_thread_names)
+    names.update({t.native_id: t.name for t in threading.enumerate() if t.native_id is not None})
+    return names
+
+
 _allowed = threading.local()
 ALLOWED_MARK = "vllm_sparse_sync::allowed"  # the profiler range of an allowed region
 

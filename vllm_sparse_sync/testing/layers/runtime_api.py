@@ -31,6 +31,8 @@ from ..records import (
     Frame,
     SyncRecord,
     _skipped,
+    harness_work,
+    thread_names as known_thread_names,
     user_frame,
 )
 from .protocol import LayerBase
@@ -206,13 +208,20 @@ def _op_mark_mode(frames: dict[int, Frame]):
 
 
 class RuntimeApiLayer(LayerBase):
-    """Profiles the region and reports synchronizing CUDA API calls from any library."""
+    """Profiles the region and reports synchronizing CUDA API calls from any library.
+
+    Torch's profiler is stopped only on the thread that started it and cannot nest, so regions
+    of that thread share one instance; `collect()` ends the profiling session, turns its events
+    into records and starts the next one.
+    """
 
     name: ClassVar[str] = LAYER
     order: ClassVar[int] = 0  # outermost: the profiler's own syncs stay outside the others
+    own_thread_only: ClassVar[bool] = True
 
     def __init__(self, *, with_stack: bool = True):
         self.with_stack = with_stack
+        self.records: list[SyncRecord] = []
         self._prof = None
         self._region = None
         self._marks = None
@@ -221,41 +230,76 @@ class RuntimeApiLayer(LayerBase):
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
-        return no_cuda_reason()
+        reason = no_cuda_reason()
+        if reason is None and _foreign_profiler_running():
+            return "another torch profiler is running in this process (CUPTI takes one)"
+        return reason
 
     def start(self) -> None:
         import torch
-        from torch.profiler import ProfilerActivity, profile, record_function
 
         self._entry = user_frame()
-        torch.cuda.synchronize()  # outside the region: earlier work is not ours
+        with harness_work():
+            torch.cuda.synchronize()  # outside the region: earlier work is not ours
+        self._begin()
+        self._marks = _op_mark_mode(self._op_frames)
+        self._marks.__enter__()
+
+    def _begin(self) -> None:
+        from torch.profiler import ProfilerActivity, profile, record_function
+
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", category=UserWarning, module=_PROFILER_WARNINGS)
             self._prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
                                  with_stack=self.with_stack)
             self._prof.__enter__()
+        _ours.add(id(self._prof))
         self._region = record_function(REGION)
         self._region.__enter__()
-        self._marks = _op_mark_mode(self._op_frames)
-        self._marks.__enter__()
+
+    def _end(self) -> list[SyncRecord]:
+        if self._prof is None:
+            return []
+        prof, self._prof = self._prof, None
+        try:
+            self._region.__exit__(None, None, None)
+        finally:
+            _ours.discard(id(prof))
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", category=UserWarning,
+                                        module=_PROFILER_WARNINGS)
+                prof.__exit__(None, None, None)
+                events = prof.events()
+        return records_from_events(events, fallback=self._entry, thread_names=known_thread_names(),
+                                   op_frames=self._op_frames)
+
+    def collect(self) -> list[SyncRecord]:
+        if self._prof is None:
+            return []
+        with harness_work():
+            found = self._end()
+            self._begin()
+        return found
 
     def stop(self) -> list[SyncRecord]:
-        import threading
-
         if self._prof is None:
             return []
         try:
             if self._marks is not None:
                 self._marks.__exit__(None, None, None)
                 self._marks = None
-            self._region.__exit__(None, None, None)
         finally:
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", category=UserWarning,
-                                        module=_PROFILER_WARNINGS)
-                self._prof.__exit__(None, None, None)
-                events = self._prof.events()
-        self._prof = None
-        names = {getattr(t, "native_id", None): t.name for t in threading.enumerate()}
-        return records_from_events(events, fallback=self._entry, thread_names=names,
-                                   op_frames=self._op_frames)
+            with harness_work():
+                found = self._end()
+        return found
+
+
+_ours: set[int] = set()
+
+
+def _foreign_profiler_running() -> bool:
+    """Whether a torch profiler that is not this layer's runs (a user's `torch.profiler`)."""
+    import torch
+
+    enabled = getattr(torch.autograd.profiler, "_is_profiler_enabled", False)
+    return bool(enabled) and not _ours

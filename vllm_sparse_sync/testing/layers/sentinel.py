@@ -32,6 +32,7 @@ from ..records import (
     PAGEABLE_MEMCPY,
     SCALAR_READ,
     SyncRecord,
+    in_harness_work,
     user_frame,
 )
 from . import launch_hooks
@@ -325,6 +326,7 @@ class SentinelLayer(LayerBase):
     name: ClassVar[str] = LAYER
     order: ClassVar[int] = 30  # innermost: closest to the user code
     needs_watch: ClassVar[bool] = True
+    shared_by: ClassVar[str] = "thread"  # torch modes are per thread
 
     def __init__(self, watch=()):
         self.watch = watch_list(watch)
@@ -350,7 +352,12 @@ class SentinelLayer(LayerBase):
         for t in watch_list(list(tensors)):
             self.taint.add(t)
 
+    def add_watch(self, watch) -> None:
+        self.mark(*watch)
+
     def flag(self, kind: str, func) -> None:
+        if in_harness_work():
+            return
         op = getattr(func, "__qualname__", None) or getattr(func, "__name__", str(func))
         if "<locals>" in op:
             op = getattr(func, "__name__", op)
@@ -393,4 +400,4 @@ class SentinelLayer(LayerBase):
     def stop(self) -> list[SyncRecord]:
         launch_hooks.unwatch_launches(self)
         self._exit_modes()
-        return list(self.records)
+        return self.collect()
