@@ -99,6 +99,8 @@ class SyncCheck:
     def __init__(self, *, watch: Sequence = (), layers=None, budget=0, raise_on_sync: bool,
                  where: str = "", defer: bool = False, info: dict | None = None):
         self.watch = tuple(watch_list(watch))
+        self.unwatched: tuple[str, ...] = tuple(getattr(watch, "unwatched", ()))
+        """Device-standing tensors the watch left out (they share storage with a host twin)."""
         self.budget = Budget.of(budget)
         self.raise_on_sync = raise_on_sync
         self.where = where
