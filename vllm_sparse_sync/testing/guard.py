@@ -10,6 +10,7 @@ region raises for it.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -97,7 +98,8 @@ class SyncCheck:
     """A checked region: start the layers on enter, collect their records on exit."""
 
     def __init__(self, *, watch: Sequence = (), layers=None, budget=0, raise_on_sync: bool,
-                 where: str = "", defer: bool = False, info: dict | None = None):
+                 where: str = "", defer: bool = False, info: dict | None = None,
+                 allow: Callable[[SyncRecord], str] | None = None):
         self.watch = tuple(watch_list(watch))
         self.unwatched: tuple[str, ...] = tuple(getattr(watch, "unwatched", ()))
         """Device-standing tensors the watch left out (they share storage with a host twin)."""
@@ -106,6 +108,9 @@ class SyncCheck:
         self.where = where
         self.info = dict(info or {})
         """What the region checks, for reports (e.g. the vLLM builder and its call site)."""
+        self.allow = allow
+        """Why a record is allowed (shown, never counted), or "" (e.g. a test's own code that a
+        checked library call ran)."""
         self.layer_names, self.unavailable = resolve_layers(layers, watch=bool(self.watch))
         self.records: list[SyncRecord] = []
         self.thread_name = ""
@@ -253,6 +258,9 @@ class SyncCheck:
     def finish(self, exc=None) -> None:
         """Report to the innermost listener (the running test); raise if over budget (unless a
         region inside this one already raises for its syncs)."""
+        if self.allow is not None:
+            self.records = [dataclasses.replace(r, allowed=why) if not r.allowed and (why := self.allow(r))
+                            else r for r in self.records]
         if _listeners:
             _listeners[-1](self)
         if isinstance(exc, HostSyncError):

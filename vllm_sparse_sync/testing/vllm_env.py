@@ -1,0 +1,75 @@
+"""The process environment vLLM needs on a host without a CUDA device, set before vLLM is imported.
+
+vLLM reads it when it is first imported (the platform, the Triton placeholders), so it is set
+by the pytest plugin before the initial conftests load (`pytest_load_initial_conftests`), or by
+`prepare_cpu_process()` before a script's first ``import vllm``. Never imports vLLM, and never
+initializes CUDA (a GPU is found through NVML, so per-worker GPU pinning still works after it).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+CPU_ENV = {
+    "VLLM_TARGET_DEVICE": "cpu",  # CpuPlatform; a CUDA wheel would resolve UnspecifiedPlatform
+    "CUDA_VISIBLE_DEVICES": "",  # set and empty: vllm.triton_utils keeps the real Triton
+    "TRITON_INTERPRET": "1",  # vLLM's Triton kernels run in Triton's CPU interpreter
+}
+EXPORT = " ".join(f"{k}={v}" for k, v in CPU_ENV.items())
+
+
+def cuda_device_present() -> bool:
+    """Whether a CUDA device is usable here, without initializing CUDA (NVML's count, where torch
+    has it; else torch's own check)."""
+    import torch
+
+    if torch.version.cuda is None:
+        return False
+    if os.environ.get("CUDA_VISIBLE_DEVICES", None) == "":
+        return False
+    count = getattr(torch.cuda, "_device_count_nvml", None)
+    if count is not None:
+        try:
+            n = count()
+        except Exception:  # noqa: BLE001 - no NVML: no driver
+            n = -1
+        if n >= 0:
+            return n > 0
+    return torch.cuda.is_available()
+
+
+def resolved_platform() -> str | None:
+    """Device type of the platform an imported vLLM has resolved; None while it has not."""
+    platform = getattr(sys.modules.get("vllm.platforms"), "_current_platform", None)
+    return None if platform is None else str(getattr(platform, "device_type", type(platform).__name__))
+
+
+def prepare_cpu_process() -> None:
+    """Set :data:`CPU_ENV` before vLLM is first imported. Idempotent.
+
+    Raises RuntimeError when vLLM is already imported on another platform or without this
+    environment (vLLM reads it at import: Triton placeholders, compiled instead of interpreted
+    kernels), since the process can no longer be fixed; the message says what to do instead.
+    """
+    if sys.modules.get("vllm") is None:
+        os.environ.update(CPU_ENV)
+        return
+    platform = resolved_platform()
+    unset = sorted(k for k, v in CPU_ENV.items() if os.environ.get(k) != v)
+    if unset or platform not in (None, "cpu"):
+        raise RuntimeError(
+            f"vllm was imported before prepare_cpu_process() (platform {platform or 'unresolved'}, "
+            f"environment not set: {', '.join(unset) or 'none'}); call prepare_cpu_process() "
+            f"before the first `import vllm`, or start the process with {EXPORT}"
+        )
+
+
+def prepare_for_vllm() -> str:
+    """Prepare this process for vLLM: the CPU environment where no CUDA device is usable, nothing
+    on a GPU host. Returns what was done, in words; RuntimeError (with what to do) when vLLM was
+    imported first."""
+    if cuda_device_present():
+        return "CUDA device present: vLLM's own platform"
+    prepare_cpu_process()
+    return f"no CUDA device: {EXPORT}"
