@@ -66,6 +66,10 @@ class KnownRead:
         if "site" in data and "code" not in data and "op" not in data:
             raise ValueError(f"{where}: 'site' ({data['site']}) is a file:line, which the next release "
                              "moves; name the read by 'file', 'function' and 'code' (its source line)")
+        missing = [k for k in ("file", "function") if k not in data]
+        if missing:
+            raise ValueError(f"{where}: missing {', '.join(repr(k) for k in missing)} (file: a path suffix "
+                             "such as vllm/v1/attention/backends/mla/indexer.py; function: its name)")
         unknown = sorted(set(data) - set(FIELDS))
         if unknown:
             raise ValueError(f"{where}: unknown field(s) {', '.join(unknown)}; fields: {', '.join(FIELDS)}")
