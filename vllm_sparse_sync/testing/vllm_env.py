@@ -42,7 +42,14 @@ def cuda_device_present() -> bool:
 def resolved_platform() -> str | None:
     """Device type of the platform an imported vLLM has resolved; None while it has not."""
     platform = getattr(sys.modules.get("vllm.platforms"), "_current_platform", None)
-    return None if platform is None else str(getattr(platform, "device_type", type(platform).__name__))
+    return None if platform is None else str(getattr(platform, "device_type", ""))
+
+
+def _platform_words() -> str:
+    platform = getattr(sys.modules.get("vllm.platforms"), "_current_platform", None)
+    if platform is None:
+        return "not resolved yet"
+    return f"{type(platform).__name__} (device type {str(getattr(platform, 'device_type', ''))!r})"
 
 
 def prepare_cpu_process() -> None:
@@ -59,7 +66,7 @@ def prepare_cpu_process() -> None:
     unset = sorted(k for k, v in CPU_ENV.items() if os.environ.get(k) != v)
     if unset or platform not in (None, "cpu"):
         raise RuntimeError(
-            f"vllm was imported before prepare_cpu_process() (platform {platform or 'unresolved'}, "
+            f"vllm was imported before prepare_cpu_process() (platform {_platform_words()}, "
             f"environment not set: {', '.join(unset) or 'none'}); call prepare_cpu_process() "
             f"before the first `import vllm`, or start the process with {EXPORT}"
         )

@@ -106,20 +106,38 @@ def _find_metadata(args, kwargs):
     return args[1] if len(args) > 1 else None
 
 
+TEST_CODE = "the test's own code, run inside vLLM's call (a stand-in the test passed in)"
+
+
 _VLLM_DIR = os.path.dirname(os.path.abspath(vllm.__file__)) + os.sep
-_OURS = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-NOT_VLLMS = "the test's own code, run inside vLLM's call (a stand-in the test passed in)"
+
+
+def is_test_code(path: str) -> bool:
+    """Whether `path` is a test's code: a test module (``test_*.py``, ``*_test.py``), a conftest,
+    or a file in a ``tests``/``test`` folder (below site-packages, for installed packages);
+    never a file of vLLM itself."""
+    path = os.path.normpath(os.path.abspath(path))
+    if path.startswith(_VLLM_DIR):
+        return False
+    parts = path.split(os.sep)
+    for i in range(len(parts) - 1, -1, -1):
+        if parts[i] in ("site-packages", "dist-packages"):
+            parts = parts[i + 1:]
+            break
+    name = parts[-1]
+    return (name.startswith("test_") or name.endswith("_test.py") or name == "conftest.py"
+            or any(p in ("tests", "test") for p in parts[:-1]))
 
 
 def not_vllms(record) -> str:
-    """Why a record is not vLLM's (a sync in a test's stand-in that vLLM's code called), or ""."""
+    """Why a record is the test's own code and not the code under check (a sync in a stand-in
+    that vLLM's call ran), or ""."""
     if record.attribution != "op":
         return ""
     path = record.location.rsplit(":", 1)[0]
     if path in ("?", "") or path.startswith("<"):
         return ""
-    path = os.path.abspath(path)
-    return "" if path.startswith((_VLLM_DIR, _OURS)) else NOT_VLLMS
+    return TEST_CODE if is_test_code(path) else ""
 
 
 def unchecked_reason(exc: SyncCheckUnavailable) -> str:
