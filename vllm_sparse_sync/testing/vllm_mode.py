@@ -29,10 +29,13 @@ def requested(config) -> bool:
 
 
 def _installed() -> bool:
+    """Whether vLLM itself is importable (a package with an ``__init__``, not a folder that
+    happens to be named vllm, such as a project's tests/vllm on sys.path)."""
     try:
-        return importlib.util.find_spec("vllm") is not None
+        spec = importlib.util.find_spec("vllm")
     except (ImportError, ValueError):
         return False
+    return spec is not None and spec.origin not in (None, "namespace")
 
 
 def early(config) -> None:
