@@ -271,3 +271,16 @@ def test_runtime_api_records_of_known_reads_or_in_allowed_ranges_are_allowed(tmp
     assert known.allowed == "a known upstream read" and known.known
     assert inside.allowed == "inside an allowed region" and not inside.known
     assert not Budget.of(0).violations([known, inside])
+
+
+def test_runtime_api_leaves_out_the_harness_own_work_inside_the_region():
+    from vllm_sparse_sync.testing.records import HARNESS_MARK
+
+    region = _Evt("vllm_sparse_sync::checked_region", 0, 100)
+    harness = _Evt(HARNESS_MARK, 10, 50, parent=region)  # e.g. a capture probe's synchronize
+    own = _Evt("cudaDeviceSynchronize", 20, 21, parent=harness)
+    other_thread = _Evt("cudaStreamSynchronize", 30, 31)
+    other_thread.thread = 2  # another thread's sync at the same time still counts
+    user = _Evt("cudaStreamSynchronize", 60, 61, parent=region)
+    records = records_from_events([region, harness, own, other_thread, user])
+    assert [r.kind for r in records] == ["stream_sync", "stream_sync"]

@@ -122,15 +122,23 @@ def user_frame_of_traceback(tb) -> Frame:
 
 
 _harness = threading.local()
+HARNESS_MARK = "vllm_sparse_sync::harness"  # the profiler range of the harness's own work
 
 
 @contextlib.contextmanager
-def harness_work():
+def harness_work(mark: bool = True):
     """A block of the harness's own work on this thread (a profiler's restart, a probe's warm-up
-    and capture): the region layers running around it record nothing from this thread inside."""
+    and capture): the region layers running around it record nothing from this thread inside.
+    `mark`: also a profiler range, so a profiler running around it leaves it out (not for the
+    block that stops or starts that profiler)."""
     _harness.depth = getattr(_harness, "depth", 0) + 1
     try:
-        yield
+        torch = sys.modules.get("torch") if mark else None
+        if torch is not None:
+            with torch.autograd.profiler.record_function(HARNESS_MARK):
+                yield
+        else:
+            yield
     finally:
         _harness.depth -= 1
 

@@ -10,7 +10,8 @@ platforms whose host-side setup precedes its kernels (`SparseAttnIndexer.forward
   a device field passed as its host twin itself is left out and named in the report, and the
   rest of the call is still checked;
 - a sync inside fails the test with a `HostSyncError` at its file:line, unless vLLM allows it
-  (`gpu_sync_allowed()`) or the baseline of known upstream reads names it;
+  (`gpu_sync_allowed()`), the baseline of known upstream reads names it, or it is in the test's
+  own code that the call ran (a stand-in passed in), which is shown as the test's;
 - a call that nothing can check here (no layer can run) is reported as not checked, never
   passed as checked.
 

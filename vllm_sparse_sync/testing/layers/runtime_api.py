@@ -22,6 +22,7 @@ from typing import ClassVar
 from ..cuda_env import no_cuda_reason
 from ..records import (
     ALLOWED_MARK,
+    HARNESS_MARK,
     DEVICE_SYNC,
     EVENT_SYNC,
     MEMCPY_SYNC,
@@ -128,11 +129,15 @@ def _attribution(evt, op_frames: dict[int, Frame], marks: list) -> tuple[Frame |
     return None, op, "region"
 
 
+def _within(evt, ranges: list) -> bool:
+    """Whether `evt` started inside one of `ranges` on its own thread."""
+    start = evt.time_range.start
+    return any(a.thread == evt.thread and a.time_range.start <= start <= a.time_range.end for a in ranges)
+
+
 def _allowed_by(evt, allowed: list) -> str:
     """"allowed region" when `evt` ran inside an `allowed_syncs` range (same thread), else ""."""
-    start = evt.time_range.start
-    hit = any(a.thread == evt.thread and a.time_range.start <= start <= a.time_range.end for a in allowed)
-    return "inside an allowed region" if hit else ""
+    return "inside an allowed region" if _within(evt, allowed) else ""
 
 
 def _is_device_event(evt) -> bool:
@@ -149,14 +154,15 @@ def records_from_events(events, *, fallback: Frame = UNKNOWN, thread_names: dict
     op_frames = op_frames or {}
     marks = [e for e in events if e.name.startswith(OP_MARK) and not _is_device_event(e)]
     allowed = [e for e in events if e.name == ALLOWED_MARK and not _is_device_event(e)]
+    harness = [e for e in events if e.name == HARNESS_MARK and not _is_device_event(e)]
     regions = [e for e in events if e.name == REGION and not _is_device_event(e)]
     if not regions:
         return []
     spans = [(r.time_range.start, r.time_range.end) for r in regions]
 
-    def inside(e) -> bool:
+    def inside(e) -> bool:  # the region's, not the harness's own work inside it
         s = e.time_range.start
-        return any(a <= s <= b for a, b in spans)
+        return any(a <= s <= b for a, b in spans) and not _within(e, harness)
 
     out: list[SyncRecord] = []
     synced_roots = set()
@@ -239,7 +245,7 @@ class RuntimeApiLayer(LayerBase):
         import torch
 
         self._entry = user_frame()
-        with harness_work():
+        with harness_work(mark=False):
             torch.cuda.synchronize()  # outside the region: earlier work is not ours
         self._begin()
         self._marks = _op_mark_mode(self._op_frames)
@@ -276,7 +282,7 @@ class RuntimeApiLayer(LayerBase):
     def collect(self) -> list[SyncRecord]:
         if self._prof is None:
             return []
-        with harness_work():
+        with harness_work(mark=False):
             found = self._end()
             self._begin()
         return found
@@ -289,7 +295,7 @@ class RuntimeApiLayer(LayerBase):
                 self._marks.__exit__(None, None, None)
                 self._marks = None
         finally:
-            with harness_work():
+            with harness_work(mark=False):
                 found = self._end()
         return found
 
