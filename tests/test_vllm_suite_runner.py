@@ -74,9 +74,9 @@ def test_every_deselection_has_a_reason_and_cpu_ones_only_without_cuda():
 
 
 def test_sync_vllm_without_vllm_says_what_to_install(pytester):
-    from vllm_sparse_sync.testing.vllm_mode import _installed
+    from vllm_sparse_sync.testing.vllm_env import vllm_installed
 
-    if _installed():
+    if vllm_installed():
         pytest.skip("vLLM is installed here")
     pytester.makepyfile(test_x="def test_x():\n    pass\n")
     result = pytester.runpytest_subprocess("--sync-vllm")

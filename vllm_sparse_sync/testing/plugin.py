@@ -155,8 +155,9 @@ def pytest_generate_tests(metafunc):
 
 def pytest_report_header(config):
     spec = config.getoption("sync_layers")
+    vllm = getattr(config, "_vss_vllm", None)
     opted_in = (spec != "auto" or config._vss_pinning is not None or config.getini("sync_gpu_marker")
-                or config.getoption("sync_unavailable", None))
+                or config.getoption("sync_unavailable", None) or vllm is not None)
     if not opted_in:
         return None
     from .guard import resolve_layers
@@ -164,8 +165,12 @@ def pytest_report_header(config):
     _, cannot = resolve_layers(None, watch=True)
     not_here = "; ".join(f"{k}: {v}" for k, v in cannot.items())
     pinning = f", {config._vss_pinning}" if config._vss_pinning else ""
-    return (f"vllm-sparse-sync: layers={spec}"
-            + (f" (cannot run here: {not_here})" if not_here else "") + pinning)
+    lines = [f"vllm-sparse-sync: layers={spec}" + (f" (cannot run here: {not_here})" if not_here else "")
+             + pinning]
+    if vllm is not None:
+        lines.append(f"vllm-sparse-sync: --sync-vllm ({vllm['setup']}): every vLLM metadata build() is "
+                     "a checked region")
+    return lines
 
 
 def pytest_collection_modifyitems(config, items):

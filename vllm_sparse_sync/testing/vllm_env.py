@@ -8,6 +8,7 @@ initializes CUDA (a GPU is found through NVML, so per-worker GPU pinning still w
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 
@@ -17,6 +18,16 @@ CPU_ENV = {
     "TRITON_INTERPRET": "1",  # vLLM's Triton kernels run in Triton's CPU interpreter
 }
 EXPORT = " ".join(f"{k}={v}" for k, v in CPU_ENV.items())
+
+
+def vllm_installed() -> bool:
+    """Whether vLLM itself is importable (a package with an ``__init__``, not a folder that happens
+    to be named vllm, such as a project's tests/vllm on sys.path)."""
+    try:
+        spec = importlib.util.find_spec("vllm")
+    except (ImportError, ValueError):
+        return False
+    return spec is not None and spec.origin not in (None, "namespace")
 
 
 def cuda_device_present() -> bool:

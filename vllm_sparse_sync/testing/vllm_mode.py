@@ -10,11 +10,9 @@ is accepted, and every vLLM attention-metadata build becomes a checked region
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 
-from .vllm_env import EXPORT, prepare_for_vllm
+from .vllm_env import EXPORT, prepare_for_vllm, vllm_installed
 
 NOT_INSTALLED = '--sync-vllm: vLLM is not installed (pip install "vllm-sparse-sync[vllm]")'
 _KEY_EARLY = pytest.StashKey[str]()
@@ -28,19 +26,9 @@ def requested(config) -> bool:
     return bool(flag) or bool(config.getini("sync_vllm"))
 
 
-def _installed() -> bool:
-    """Whether vLLM itself is importable (a package with an ``__init__``, not a folder that
-    happens to be named vllm, such as a project's tests/vllm on sys.path)."""
-    try:
-        spec = importlib.util.find_spec("vllm")
-    except (ImportError, ValueError):
-        return False
-    return spec is not None and spec.origin not in (None, "namespace")
-
-
 def early(config) -> None:
     """Prepare the process before any conftest imports vLLM."""
-    if not _installed():
+    if not vllm_installed():
         raise pytest.UsageError(NOT_INSTALLED)
     try:
         config.stash[_KEY_EARLY] = prepare_for_vllm()
@@ -66,7 +54,7 @@ def _prepare_late(config) -> str:
 
 def enter(config, *, runs_tests: bool) -> None:
     """Wire vLLM mode into this process; `runs_tests`: it runs tests (not an xdist controller)."""
-    if not _installed():
+    if not vllm_installed():
         raise pytest.UsageError(NOT_INSTALLED)
     config._vss_vllm = {"setup": _prepare_late(config), "regions": False}
     if not runs_tests:
