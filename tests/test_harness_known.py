@@ -78,7 +78,8 @@ def test_a_line_planted_above_changes_nothing(upstream):
 
 
 def test_a_reformatted_known_read_stays_known(upstream):
-    mod = upstream(edit=lambda text: text.replace("total = int(cu[-1].item())", "total = int( cu[ -1 ].item() )"))
+    mod = upstream(edit=lambda text: text.replace("total = int(cu[-1].item())",
+                                                  "total = int( cu[ -1 ].item() )"))
     (rec,) = _run(mod)
     assert rec.known and "int( cu[ -1 ].item() )" in rec.code
 

@@ -11,9 +11,8 @@ from typing import ClassVar
 import pytest
 import torch
 
-from vllm_sparse_sync.testing import HostSyncError, SyncCheckUnavailable, no_host_sync, sync_recorder
+from vllm_sparse_sync.testing import HostSyncError, SyncCheckUnavailable, no_host_sync, shared, sync_recorder
 from vllm_sparse_sync.testing import layers as L
-from vllm_sparse_sync.testing import shared
 from vllm_sparse_sync.testing.layers.protocol import LayerBase
 from vllm_sparse_sync.testing.records import STREAM_SYNC, SyncRecord, harness_work, user_frame
 
@@ -268,7 +267,7 @@ def test_a_layer_stopped_only_on_its_thread_is_not_joined_from_another_and_says_
 
 
 def test_a_region_left_with_no_layer_it_can_run_refuses_to_pass():
-    entered, release = threading.Event(), threading.Event()
+    entered = threading.Event()
     out = {}
 
     def worker():

@@ -19,7 +19,8 @@ pytest_plugins = ["pytester"]
 def _sdist(path, version="9.9.9", extra=()):
     """A small stand-in sdist: tests, pyproject, package source, and hostile members."""
     top = f"vllm-{version}"
-    members = {f"{top}/tests/__init__.py": b"", f"{top}/tests/v1/attention/test_kpool_x.py": b"def test_x():\n    pass\n",
+    members = {f"{top}/tests/__init__.py": b"",
+               f"{top}/tests/v1/attention/test_kpool_x.py": b"def test_x():\n    pass\n",
                f"{top}/pyproject.toml": b"[tool.pytest.ini_options]\n", f"{top}/vllm/__init__.py": b"boom\n",
                **dict(extra)}
     with tarfile.open(path, "w:gz") as tar:

@@ -57,7 +57,8 @@ def _line_of(code: str) -> int:
     return inspect.getsource(indexer).splitlines().index(code) + 1
 
 
-KNOWN_TODAY = [f"vllm/v1/attention/backends/mla/indexer.py:{_line_of(' ' * 8 + k.code)}" for k in va.BASELINE_033]
+KNOWN_TODAY = [f"vllm/v1/attention/backends/mla/indexer.py:{_line_of(' ' * 8 + k.code)}"
+               for k in va.BASELINE_033]
 
 
 def test_without_the_baseline_the_upstream_reads_fail_the_row():

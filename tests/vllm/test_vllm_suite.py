@@ -94,7 +94,8 @@ def test_vllms_own_tests_run_unedited_with_nothing_exported_and_every_build_chec
     assert {"KpoolTailMetadataBuilder", "DeepseekV32IndexerMetadataBuilder",
             "_NonCausalMLAMetadataBuilder"} <= builders
     for c in calls:
-        assert c["test"].startswith("tests/v1/attention/") and c["called_at"].startswith("tests/v1/attention/")
+        assert c["test"].startswith("tests/v1/attention/")
+        assert c["called_at"].startswith("tests/v1/attention/")
         assert set(c) >= {"builder", "called_at", "layers", "records", "unwatched"}
     twins = [c for c in calls if c["unwatched"]]  # vLLM's PCP test passes seq_lens as its own twin
     assert twins and all(c["layers"] == ["sentinel"] for c in twins)
@@ -127,7 +128,8 @@ READ = "_planted = int(common_attn_metadata.slot_mapping.max())  # PLANTED host 
 
 
 @pytest.mark.parametrize("name", sorted(PLANTS))
-def test_a_read_planted_in_a_builder_fails_the_tests_that_reach_it_naming_its_line(vllm_tests, clean_run, name):
+def test_a_read_planted_in_a_builder_fails_the_tests_that_reach_it_naming_its_line(vllm_tests, clean_run,
+                                                                                   name):
     import planting
 
     module, before, targets = PLANTS[name]

@@ -96,7 +96,8 @@ class SyncSession:
         tests = len({c["test"] for c in checked})
         builds = sum(1 for c in checked if c.get("kind") == "vllm_build")
         forwards = len(checked) - builds
-        head = (f"vLLM: {builds} build() call(s)" + (f" and {forwards} indexer forward(s)" if forwards else "")
+        head = (f"vLLM: {builds} build() call(s)"
+                + (f" and {forwards} indexer forward(s)" if forwards else "")
                 + f" checked in {tests} test(s), layers {','.join(layers) or '-'}: "
                   f"{len(new)} host sync(s), {sum(known.values())} known upstream, {len(allowed)} allowed")
         lines = [head]

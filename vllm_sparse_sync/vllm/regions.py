@@ -220,9 +220,8 @@ def _wrap_forward(forward):
                 attn = get_forward_context().attn_metadata
                 prefix = getattr(getattr(self, "k_cache", None), "prefix", None)
                 meta = attn.get(prefix) if isinstance(attn, dict) else None
-            found = device_tensors([meta, list(args), dict(kwargs), getattr(self, "topk_indices_buffer", None)],
-                                   depth=3)
-            return found
+            buffer = getattr(self, "topk_indices_buffer", None)
+            return device_tensors([meta, list(args), dict(kwargs), buffer], depth=3)
 
         return _checked(FORWARD, self, watch, lambda: forward(self, *args, **kwargs))
 
@@ -236,7 +235,7 @@ def _wrap_class(cls) -> None:
         return
     if getattr(build, "__isabstractmethod__", False):
         return
-    setattr(cls, "build", _wrap_build(build))
+    cls.build = _wrap_build(build)
     _state["wrapped"].append((cls, "build", build))
 
 

@@ -22,9 +22,9 @@ from typing import ClassVar
 from ..cuda_env import no_cuda_reason
 from ..records import (
     ALLOWED_MARK,
-    HARNESS_MARK,
     DEVICE_SYNC,
     EVENT_SYNC,
+    HARNESS_MARK,
     MEMCPY_SYNC,
     PAGEABLE_MEMCPY,
     STREAM_SYNC,
@@ -33,8 +33,10 @@ from ..records import (
     SyncRecord,
     _skipped,
     harness_work,
-    thread_names as known_thread_names,
     user_frame,
+)
+from ..records import (
+    thread_names as known_thread_names,
 )
 from .protocol import LayerBase
 
