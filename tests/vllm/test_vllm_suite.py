@@ -203,3 +203,14 @@ def test_a_plugin_loaded_after_a_conftest_imports_vllm_says_what_to_pass(tmp_pat
     assert proc.returncode == pytest.ExitCode.USAGE_ERROR, out[-3000:]
     assert "loaded after the conftests that import vLLM" in out
     assert "-p vllm_sparse_sync.testing.plugin" in out and EXPORT in out
+
+
+def test_vllm_imported_before_the_first_conftest_is_refused_saying_what_to_export(tmp_path):
+    (tmp_path / "imports_vllm_early.py").write_text("import vllm  # a plugin that imports vLLM\n")
+    (tmp_path / "test_x.py").write_text("def test_x():\n    pass\n")
+    proc = run_pytest(tmp_path, "-p", "imports_vllm_early", "--sync-vllm",
+                      env=clean_env(PYTHONPATH=os.pathsep.join([ROOT, str(tmp_path)])))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == pytest.ExitCode.USAGE_ERROR, out[-3000:]
+    assert "vLLM was imported before pytest loaded its first conftest" in out
+    assert f"Start pytest with {EXPORT} exported" in out

@@ -63,6 +63,17 @@ def _platform_words() -> str:
     return f"{type(platform).__name__} (device type {str(getattr(platform, 'device_type', ''))!r})"
 
 
+def imported_unprepared() -> str | None:
+    """Why an imported vLLM can no longer run on the CPU platform (its platform and the variables
+    it was imported without), or None (not imported, or imported as prepared)."""
+    if sys.modules.get("vllm") is None:
+        return None
+    unset = sorted(k for k, v in CPU_ENV.items() if os.environ.get(k) != v)
+    if not unset and resolved_platform() in (None, "cpu"):
+        return None
+    return f"platform {_platform_words()}, environment not set: {', '.join(unset) or 'none'}"
+
+
 def prepare_cpu_process() -> None:
     """Set :data:`CPU_ENV` before vLLM is first imported. Idempotent.
 
@@ -73,14 +84,11 @@ def prepare_cpu_process() -> None:
     if sys.modules.get("vllm") is None:
         os.environ.update(CPU_ENV)
         return
-    platform = resolved_platform()
-    unset = sorted(k for k, v in CPU_ENV.items() if os.environ.get(k) != v)
-    if unset or platform not in (None, "cpu"):
-        raise RuntimeError(
-            f"vllm was imported before prepare_cpu_process() (platform {_platform_words()}, "
-            f"environment not set: {', '.join(unset) or 'none'}); call prepare_cpu_process() "
-            f"before the first `import vllm`, or start the process with {EXPORT}"
-        )
+    why = imported_unprepared()
+    if why:
+        raise RuntimeError(f"vllm was imported before prepare_cpu_process() ({why}); call "
+                           f"prepare_cpu_process() before the first `import vllm`, or start the process "
+                           f"with {EXPORT}")
 
 
 def prepare_for_vllm() -> str:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from .vllm_env import EXPORT, prepare_for_vllm, vllm_installed
+from .vllm_env import EXPORT, cuda_device_present, imported_unprepared, prepare_for_vllm, vllm_installed
 
 NOT_INSTALLED = '--sync-vllm: vLLM is not installed (pip install "vllm-sparse-sync[vllm]")'
 _KEY_EARLY = pytest.StashKey[str]()
@@ -30,26 +30,32 @@ def early(config) -> None:
     """Prepare the process before any conftest imports vLLM."""
     if not vllm_installed():
         raise pytest.UsageError(NOT_INSTALLED)
-    try:
-        config.stash[_KEY_EARLY] = prepare_for_vllm()
-    except RuntimeError as exc:
+    why = _too_late()
+    if why:
         raise pytest.UsageError(
-            f"--sync-vllm: {exc}. vLLM was imported before pytest loaded its first conftest (by "
-            "another plugin, or by the program that started pytest), so the plugin could not prepare "
-            f"the process: start pytest with {EXPORT} exported") from None
+            f"--sync-vllm: vLLM was imported before pytest loaded its first conftest ({why}): by "
+            "another plugin, or by the program that started pytest, so the plugin could not prepare "
+            f"the process. Start pytest with {EXPORT} exported")
+    config.stash[_KEY_EARLY] = prepare_for_vllm()
+
+
+def _too_late() -> str | None:
+    """Why vLLM, imported already, cannot be put on the CPU platform any more (never on a GPU host)."""
+    return None if cuda_device_present() else imported_unprepared()
 
 
 def _prepare_late(config) -> str:
+    why = _too_late()
+    if why and _KEY_EARLY not in config.stash:
+        raise pytest.UsageError(
+            f"--sync-vllm: vLLM was imported before the plugin could prepare the process ({why}): "
+            "the plugin was loaded after the conftests that import vLLM (from a conftest's "
+            "pytest_plugins?). Load it with -p vllm_sparse_sync.testing.plugin on the command line, "
+            f"or through its installed entry point, or start pytest with {EXPORT} exported")
     try:
         return prepare_for_vllm()
     except RuntimeError as exc:
-        if _KEY_EARLY in config.stash:
-            raise pytest.UsageError(f"--sync-vllm: {exc}") from None
-        raise pytest.UsageError(
-            f"--sync-vllm: {exc}. The plugin was loaded after the conftests that import vLLM (from a "
-            "conftest's pytest_plugins?): load it with -p vllm_sparse_sync.testing.plugin on the command "
-            f"line, or through its installed entry point, or start pytest with {EXPORT} exported"
-        ) from None
+        raise pytest.UsageError(f"--sync-vllm: {exc}") from None
 
 
 def enter(config, *, runs_tests: bool) -> None:
