@@ -74,11 +74,13 @@ def test_every_deselection_has_a_reason_and_cpu_ones_only_without_cuda():
     assert all(node.startswith("tests/") and len(why) > 20 for node, why in cpu.items())
 
 
-def test_sync_vllm_without_vllm_says_what_to_install(pytester):
+def test_sync_vllm_without_vllm_says_what_to_install(pytester, monkeypatch):
     from vllm_sparse_sync.testing.vllm_env import vllm_installed
 
     if vllm_installed():
         pytest.skip("vLLM is installed here")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))  # this checkout
     pytester.makepyfile(test_x="def test_x():\n    pass\n")
     result = pytester.runpytest_subprocess("--sync-vllm")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
