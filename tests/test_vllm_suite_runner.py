@@ -80,7 +80,7 @@ def test_sync_vllm_without_vllm_says_what_to_install(pytester, monkeypatch):
     if vllm_installed():
         pytest.skip("vLLM is installed here")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))  # this checkout
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))  # this tree
     pytester.makepyfile(test_x="def test_x():\n    pass\n")
     result = pytester.runpytest_subprocess("--sync-vllm")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
