@@ -27,9 +27,9 @@ def test_readme_snippet_runs_as_written(i, tmp_path):
 
 
 def test_the_harness_example_passes_and_catches_its_planted_read():
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider",
                            os.path.join(ROOT, "examples", "harness")],
                           capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert "2 passed" in proc.stdout
-    assert "scalar_read=1" in proc.stdout  # the careless builder's .item() was seen
+    assert "scalar_read=1" in proc.stdout  # the careless builder's .item() was seen (listed with -v)

@@ -249,8 +249,9 @@ def test_runtime_api_attributes_through_op_marks_by_parent_or_by_time(tmp_path):
     assert recs[0].op == "cudaStreamSynchronize via aten::_local_scalar_dense"
 
 
-def test_runtime_api_records_at_known_sites_or_in_allowed_ranges_are_allowed(tmp_path):
-    from vllm_sparse_sync.testing.records import ALLOWED_MARK, accept_known_sites, forget_known_sites
+def test_runtime_api_records_of_known_reads_or_in_allowed_ranges_are_allowed(tmp_path):
+    from vllm_sparse_sync.testing.known import KnownRead, accept_known_reads, forget_known_reads
+    from vllm_sparse_sync.testing.records import ALLOWED_MARK
 
     src = tmp_path / "upstream.py"
     src.write_text("a = 1\nb = seq_lens.max().item()\n")
@@ -261,11 +262,25 @@ def test_runtime_api_records_at_known_sites_or_in_allowed_ranges_are_allowed(tmp
     ext = _Evt("cudaDeviceSynchronize", 40, 41, parent=region)  # inside the allowed range
     (known, inside) = records_from_events([region, op, sync, allowed, ext])
     assert known.allowed == "" and inside.allowed == "inside an allowed region"
-    accept_known_sites({"upstream.py:2": "a known upstream read"})
+    accept_known_reads([KnownRead("upstream.py", "build", code="b = seq_lens.max().item()",
+                                  why="a known upstream read")])
     try:
         (known, inside) = records_from_events([region, op, sync, allowed, ext])
     finally:
-        forget_known_sites()
-    assert known.allowed == "a known upstream read"
-    assert inside.allowed == "inside an allowed region"
+        forget_known_reads()
+    assert known.allowed == "a known upstream read" and known.known
+    assert inside.allowed == "inside an allowed region" and not inside.known
     assert not Budget.of(0).violations([known, inside])
+
+
+def test_runtime_api_leaves_out_the_harness_own_work_inside_the_region():
+    from vllm_sparse_sync.testing.records import HARNESS_MARK
+
+    region = _Evt("vllm_sparse_sync::checked_region", 0, 100)
+    harness = _Evt(HARNESS_MARK, 10, 50, parent=region)  # e.g. a capture probe's synchronize
+    own = _Evt("cudaDeviceSynchronize", 20, 21, parent=harness)
+    other_thread = _Evt("cudaStreamSynchronize", 30, 31)
+    other_thread.thread = 2  # another thread's sync at the same time still counts
+    user = _Evt("cudaStreamSynchronize", 60, 61, parent=region)
+    records = records_from_events([region, harness, own, other_thread, user])
+    assert [r.kind for r in records] == ["stream_sync", "stream_sync"]

@@ -111,6 +111,31 @@ def test_taint_propagates_through_ops_views_inplace_and_copies():
     assert ops == ["Tensor.__int__", "Tensor.tolist", "Tensor.__bool__", "Tensor.cpu"]
 
 
+HOST_COPIES = {
+    "cpu": lambda x: x.cpu(),
+    "to_cpu": lambda x: x.to("cpu"),
+    "to_cpu_copy": lambda x: x.to("cpu", copy=True),
+    "cpu_of_a_view": lambda x: x[1:].cpu(),
+    "numpy": lambda x: x.numpy(),
+    "tolist": lambda x: x.tolist(),
+}
+
+
+@pytest.mark.parametrize("name", sorted(HOST_COPIES))
+def test_one_record_per_sync_reads_of_a_host_copy_are_host_reads(name):
+    """`x = seq_lens.cpu(); int(x.max())`: the copy syncs; reading what it copied does not."""
+    x = _dev()
+    with sync_recorder(watch=[x], layers="sentinel") as rec:
+        copy = HOST_COPIES[name](x)  # the copy
+        int(max(copy)) if isinstance(copy, list) else int(copy.max())
+        copy[0] += 1
+    assert [r.kind for r in rec.records] == [D2H_COPY], rec.records
+    assert int(x[0]) == 5  # the copy is its own storage: writes to it leave the watched tensor
+    with sync_recorder(watch=[x], layers="sentinel") as again:
+        int(x.max())
+    assert [r.kind for r in again.records] == [SCALAR_READ]  # the watched tensor itself still is
+
+
 def test_view_of_a_watched_tensor_made_before_the_region_is_watched():
     base = torch.arange(8, dtype=torch.int32)
     view = base[2:6]

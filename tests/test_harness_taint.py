@@ -14,6 +14,7 @@ from vllm_sparse_sync.testing import (
     HostSyncError,
     SyncCheckUnavailable,
     check_step,
+    device_tensors,
     no_host_sync,
     sync_recorder,
 )
@@ -316,6 +317,31 @@ def test_nested_watch_lists_are_accepted():
     with sync_recorder(watch=[a, (b,)], layers="sentinel") as rec:
         b.tolist()
     assert rec.count("d2h_copy") == 1
+
+
+class _Batch:
+    """A CPU batch whose device `query_start_loc` is its host twin itself (as tests often pass)."""
+
+    def __init__(self):
+        self.query_start_loc = torch.tensor([0, 1, 3], dtype=I64)
+        self.query_start_loc_cpu = self.query_start_loc
+        self.seq_lens = _dev()
+        self.seq_lens_cpu = self.seq_lens.clone()
+
+
+def test_a_device_field_that_is_its_host_twin_is_not_watched_and_is_named():
+    batch = _Batch()
+    watch = device_tensors(batch)
+    assert [id(t) for t in watch] == [id(batch.seq_lens)]
+    assert watch.unwatched == ("_Batch.query_start_loc (storage of _Batch.query_start_loc_cpu)",)
+    with sync_recorder(watch=watch, layers="sentinel") as rec:
+        int(batch.query_start_loc_cpu[-1])  # a host read of the twin: fine
+        int(batch.seq_lens.max())  # the rest is still checked
+    assert [r.code for r in rec.records] == ["int(batch.seq_lens.max())  # the rest is still checked"]
+    assert rec.unwatched == watch.unwatched
+    with pytest.raises(ValueError, match=r"_Batch.query_start_loc \(storage of _Batch.query_start_loc_cpu\) "
+                                         "shares storage with its host twin"):
+        device_tensors(batch, strict=True)
 
 
 def test_unknown_kinds_and_layers_are_usage_errors():

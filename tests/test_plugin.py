@@ -57,7 +57,7 @@ def test_recorded(sync_recorder):
 
 def test_untouched():
     pass
-""")
+""", "-v")
     result.assert_outcomes(passed=3)
     result.stdout.fnmatch_lines([
         "*host sync summary*",
@@ -66,6 +66,10 @@ def test_untouched():
         "2 test(s) checked, 2 sync record(s) in total",
     ])
     assert "test_untouched:" not in result.stdout.str()
+    quiet = pytester.runpytest_inprocess()  # a green run: the totals only
+    quiet.assert_outcomes(passed=3)
+    quiet.stdout.fnmatch_lines(["*host sync summary*", "2 test(s) checked, 2 sync record(s) in total"])
+    assert "test_recorded:" not in quiet.stdout.str()
 
 
 def test_marker_budget_applies_to_fixture_and_recorder(pytester):
@@ -351,14 +355,14 @@ def test_budget_only():
 
 def test_an_in_process_run_leaves_the_process_wide_settings_as_it_found_them(pytester):
     from vllm_sparse_sync.testing.guard import default_layer_spec
-    from vllm_sparse_sync.testing.records import known_sites
+    from vllm_sparse_sync.testing.known import known_reads
 
-    before = (default_layer_spec(), known_sites())
+    before = (default_layer_spec(), known_reads())
     pytester.makeconftest(
-        "from vllm_sparse_sync.testing.records import accept_known_sites\n"
+        "from vllm_sparse_sync.testing.known import KnownRead, accept_known_reads\n"
         "def pytest_configure(config):\n"
-        "    accept_known_sites({'inner.py:1': 'the inner run only'})\n")
+        "    accept_known_reads([KnownRead('inner.py', 'f', code='x.item()', why='the inner run only')])\n")
     pytester.makepyfile(test_user="def test_x():\n    pass\n")
     result = pytester.runpytest_inprocess("--sync-layers=sentinel")
     result.assert_outcomes(passed=1)
-    assert (default_layer_spec(), known_sites()) == before
+    assert (default_layer_spec(), known_reads()) == before

@@ -9,12 +9,17 @@ shadow (`seq_lens_cpu_upper_bound` outside async speculative decoding) the exact
 CUDA-graph capture (vLLM passes `max_model_len` then) the capture-stable bound. Only host data
 is read. Anything it cannot decide leaves vLLM's value in place. This module imports nothing
 of vLLM until `register()` runs, and changes nothing in the process when the variable is unset.
+
+vLLM runs `register()` when it loads its general plugins (`vllm.plugins.load_general_plugins`),
+once per process, in every process that builds an engine: where engine arguments become a config
+(`LLM(...)`, `vllm serve`), in the engine core, in each worker, and in vLLM's CLI parser. Importing
+vLLM does not load it, nor does a test that builds a metadata builder directly; call `install()`
+there. Its lines go through vLLM's logger (`vllm.logger.init_logger`).
 """
 
 from __future__ import annotations
 
 import functools
-import logging
 import os
 
 from .bounds import BoundSource, DecodeTopkBound, SeqLenShadow, capture_stable_bound, plan_decode
@@ -22,7 +27,19 @@ from .layout import IndexerBackend, IndexerLayout
 
 ENV = "VLLM_SPARSE_SYNC_BOUNDS"
 TESTED_VLLM = "0.33."
-_log = logging.getLogger("vllm_sparse_sync.vllm_plugin")
+LOGGER = "vllm.plugins.vllm_sparse_sync"
+
+
+def _log():
+    """vLLM's logger for this plugin (under vLLM's own handlers and format)."""
+    from vllm.logger import init_logger
+
+    return init_logger(LOGGER)
+
+
+def platform_name(platform) -> str:
+    """How a vLLM platform is named in a line: its class and device type, even when empty."""
+    return f"{type(platform).__name__} (device type {str(getattr(platform, 'device_type', ''))!r})"
 
 
 class UnsupportedVllm(RuntimeError):
@@ -75,7 +92,7 @@ def _with_bound(build):
             try:
                 meta.max_seq_len = indexer_bound(self, common_attn_metadata, meta.num_decodes).value
             except (TypeError, ValueError) as exc:  # a hint we cannot read: vLLM's value stays
-                _log.warning("vllm-sparse-sync: bound not applied (%s)", exc)
+                _log().warning("vllm-sparse-sync: bound not applied (%s)", exc)
         return meta
 
     build_with_project_bound._vllm_sparse_sync_original = build  # type: ignore[attr-defined]
@@ -91,8 +108,8 @@ def install(*, force: bool = False) -> bool:
 
     check_vllm_version(vllm.__version__)
     if not force and not current_platform.is_cuda_alike():
-        _log.warning("vllm-sparse-sync: bound plugin not loaded on platform %s (CUDA-like only)",
-                     current_platform.device_type)
+        _log().warning("vllm-sparse-sync: bound plugin not loaded on platform %s (CUDA-like platforms "
+                       "only)", platform_name(current_platform))
         return False
     if not hasattr(B.build, "_vllm_sparse_sync_original"):
         B.build = _with_bound(B.build)
@@ -114,4 +131,4 @@ def register() -> None:
     try:
         install()
     except UnsupportedVllm as exc:
-        _log.error("%s", exc)
+        _log().error("%s", exc)

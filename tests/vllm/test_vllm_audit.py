@@ -5,6 +5,7 @@ Skipped where vLLM is not installed (the project's main CI); the `vllm` tox env 
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import inspect
 import logging
@@ -40,7 +41,7 @@ def test_the_audit_checks_every_path_and_accepts_only_the_known_upstream_reads()
     by = {r.path: r for r in rows}
     assert set(by) == set(V.VLLM_PATHS)
     assert all(r.ok for r in rows), va.format_table(rows)
-    assert by["dcp2-prefill"].known_sites == [d["site"] for d in va.BASELINE_033]
+    assert by["dcp2-prefill"].known_sites == KNOWN_TODAY  # where the known reads are today
     assert all(not r.known_sites for p, r in by.items() if p != "dcp2-prefill")
     for p in DECODE_PATHS:
         r = by[p]
@@ -48,7 +49,16 @@ def test_the_audit_checks_every_path_and_accepts_only_the_known_upstream_reads()
     assert by["compressed-c4"].plugin_bound * 3 < by["compressed-c4"].vllm_bound  # compressed rows
     assert by["dcp2-rank1"].bound_source == BoundSource.CPU_DCP_LOCAL.value
     table = va.format_table(rows)
-    assert "known upstream host read at vllm/v1/attention/backends/mla/indexer.py:1895" in table
+    assert ("known upstream host read at vllm/v1/attention/backends/mla/indexer.py:1895 in "
+            "build_prefill_chunk_metadata") in table
+
+
+def _line_of(code: str) -> int:
+    return inspect.getsource(indexer).splitlines().index(code) + 1
+
+
+KNOWN_TODAY = [f"vllm/v1/attention/backends/mla/indexer.py:{_line_of(' ' * 8 + k.code)}"
+               for k in va.BASELINE_033]
 
 
 def test_without_the_baseline_the_upstream_reads_fail_the_row():
@@ -155,7 +165,7 @@ def test_the_plugin_is_off_unless_asked_and_refuses_an_untested_vllm(monkeypatch
 
     monkeypatch.setattr(vllm, "__version__", "0.34.0")
     monkeypatch.setenv(vllm_plugin.ENV, "1")
-    with caplog.at_level(logging.ERROR):
+    with vllm_log(caplog):
         vllm_plugin.register()
     assert "found 0.34.0: not loaded" in caplog.text
     assert not hasattr(indexer.DeepseekV32IndexerMetadataBuilder.build, "_vllm_sparse_sync_original")
@@ -210,8 +220,14 @@ def test_a_vllm_developer_writes_one_test_and_nothing_else(pytester):
     """))
     result = pytester.runpytest_subprocess("--sync-vllm", "-p", "no:cacheprovider", "-q")
     result.assert_outcomes(passed=len(V.VLLM_PATHS))
-    # vLLM's known upstream reads on the DCP prefill path are shown, accepted by the baseline
-    result.stdout.fnmatch_lines(["*test_build[[]dcp2-prefill[]]: 2 sync record(s)*"])
+    # every build is checked; vLLM's known upstream reads on the DCP prefill path are shown at
+    # today's lines, accepted by the baseline
+    result.stdout.fnmatch_lines([
+        f"vLLM: {2 * len(V.VLLM_PATHS)} build() call(s) checked in {len(V.VLLM_PATHS)} test(s), "
+        "layers sentinel: 0 host sync(s), 4 known upstream, 0 allowed",
+        f"  known upstream read at *{KNOWN_TODAY[0]} in build_prefill_chunk_metadata (x2)",
+        f"  known upstream read at *{KNOWN_TODAY[1]} in build_prefill_chunk_metadata (x2)",
+    ])
 
 
 def test_vllm_discovers_and_runs_the_plugin_through_its_entry_point(monkeypatch, caplog):
@@ -223,9 +239,36 @@ def test_vllm_discovers_and_runs_the_plugin_through_its_entry_point(monkeypatch,
     assert eps.get("vllm_sparse_sync_bounds") == "vllm_sparse_sync.vllm_plugin:register"
     monkeypatch.setenv(vllm_plugin.ENV, "1")
     hooks = load_plugins_by_group("vllm.general_plugins")
-    with caplog.at_level(logging.WARNING):
+    with vllm_log(caplog):
         hooks["vllm_sparse_sync_bounds"]()
     # on this CPU platform the plugin declines, saying why (vLLM's CPU indexer reads max_seq_len
-    # its own way); on CUDA it wraps the builder
-    assert "not loaded on platform cpu" in caplog.text
+    # its own way), through vLLM's logger; on CUDA it wraps the builder
+    assert "not loaded on platform CpuPlatform (device type 'cpu')" in caplog.text
+    assert {r.name for r in caplog.records} == {vllm_plugin.LOGGER}
+    assert not hasattr(indexer.DeepseekV32IndexerMetadataBuilder.build, "_vllm_sparse_sync_original")
+
+
+@contextlib.contextmanager
+def vllm_log(caplog):
+    """caplog on vLLM's logger tree (vLLM's logging config does not propagate it to the root)."""
+    vllm_logger = logging.getLogger("vllm")
+    vllm_logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.WARNING, logger=vllm_plugin.LOGGER):
+            yield
+    finally:
+        vllm_logger.removeHandler(caplog.handler)
+
+
+def test_the_refusal_names_a_platform_with_an_empty_device_type(monkeypatch, caplog):
+    """A CUDA wheel on a host vLLM cannot place (no VLLM_TARGET_DEVICE) resolves a platform whose
+    device type is empty: the line still names it."""
+    import vllm.platforms
+    from vllm.platforms.interface import UnspecifiedPlatform
+
+    monkeypatch.setattr(vllm.platforms, "_current_platform", UnspecifiedPlatform())
+    monkeypatch.setenv(vllm_plugin.ENV, "1")
+    with vllm_log(caplog):
+        vllm_plugin.register()
+    assert "not loaded on platform UnspecifiedPlatform (device type '')" in caplog.text
     assert not hasattr(indexer.DeepseekV32IndexerMetadataBuilder.build, "_vllm_sparse_sync_original")

@@ -209,3 +209,19 @@ def test_prepare_cpu_process_refuses_a_process_set_up_otherwise(monkeypatch):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     with pytest.raises(RuntimeError, match="CUDA_VISIBLE_DEVICES"):
         V.prepare_cpu_process()
+
+
+def test_a_device_field_passed_as_its_host_twin_is_left_out_and_named():
+    case = case_of("decode")
+    common = case.common.replace(query_start_loc=case.common.query_start_loc_cpu)  # as vLLM's tests do
+    watch = V.vllm_watch(common)
+    watched = {id(t) for t in watch}
+    assert id(common.query_start_loc) not in watched and id(common.seq_lens) in watched
+    assert watch.unwatched == ("CommonAttentionMetadata.query_start_loc "
+                               "(storage of CommonAttentionMetadata.query_start_loc_cpu)",)
+    case.build()
+    with pytest.raises(HostSyncError, match="seq_lens"):  # the rest of the batch is still checked
+        with no_host_sync(watch=watch, layers="sentinel") as check:
+            case.builder.build(common_prefix_len=0, common_attn_metadata=common)
+            int(common.seq_lens.max())
+    assert check.unwatched == watch.unwatched

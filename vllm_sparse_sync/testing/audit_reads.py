@@ -16,8 +16,9 @@ def host_reads(builder: IndexerMetadataBuilder, batch: DecodeBatch) -> tuple[int
     (layers see the same syncs). A sentinel that saw no watched tensor in use counts as a
     failed check: the audit would otherwise pass on nothing.
     """
-    check = check_step(lambda: builder.build(batch), watch=device_tensors(builder, batch), warmup=1,
-                       raise_on_sync=False, where="audit build()")
+    watch = device_tensors(builder, batch, strict=True)
+    check = check_step(lambda: builder.build(batch), watch=watch, warmup=1, raise_on_sync=False,
+                       where="audit build()")
     if check.touched == 0:
         return 1, "vacuous check: build() used none of the watched device tensors"
     if not check.records:

@@ -2,17 +2,33 @@
 
 A check never passes by checking nothing: when none of the requested layers can run here,
 entering it raises `SyncCheckUnavailable` (naming each layer and why), not a pass.
+
+Regions nest, on any thread: a region entered inside another shares the layers that run
+(`shared.py`), each sync is recorded once, in the innermost region of its thread, and only that
+region raises for it.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 from . import layers as _layers
+from . import shared as _shared
 from .layers.sentinel import watch_list
-from .records import Budget, HostSyncError, SyncRecord, check_kind, count_by_kind, count_by_layer
+from .records import (
+    Budget,
+    HostSyncError,
+    SyncRecord,
+    check_kind,
+    count_by_kind,
+    count_by_layer,
+    harness_work,
+    note_thread,
+)
 
 _default_spec: tuple[str, ...] | None = None
 _listeners: list[Callable[[SyncCheck], None]] = []
@@ -82,15 +98,24 @@ class SyncCheck:
     """A checked region: start the layers on enter, collect their records on exit."""
 
     def __init__(self, *, watch: Sequence = (), layers=None, budget=0, raise_on_sync: bool,
-                 where: str = "", defer: bool = False):
+                 where: str = "", defer: bool = False, info: dict | None = None,
+                 allow: Callable[[SyncRecord], str] | None = None):
         self.watch = tuple(watch_list(watch))
+        self.unwatched: tuple[str, ...] = tuple(getattr(watch, "unwatched", ()))
+        """Device-standing tensors the watch left out (they share storage with a host twin)."""
         self.budget = Budget.of(budget)
         self.raise_on_sync = raise_on_sync
         self.where = where
+        self.info = dict(info or {})
+        """What the region checks, for reports (e.g. the vLLM builder and its call site)."""
+        self.allow = allow
+        """Why a record is allowed (shown, never counted), or "" (e.g. a test's own code that a
+        checked library call ran)."""
         self.layer_names, self.unavailable = resolve_layers(layers, watch=bool(self.watch))
         self.records: list[SyncRecord] = []
-        self._running: list = []
-        self._watcher = None
+        self.thread_name = ""
+        self._running: list[_shared.Running] = []
+        self._sentinel: _shared.Running | None = None
         self._defer = defer
         self._touched: int | None = None
         self.ran: list[str] = []
@@ -122,20 +147,20 @@ class SyncCheck:
     @property
     def touched(self) -> int | None:
         """Ops and launches in the region that used watched data (sentinel); None without it."""
-        if self._watcher is not None:
-            return self._watcher.touched
+        if self._sentinel is not None:
+            _shared.hand_out(self._sentinel)
         return self._touched
 
     def mark(self, *tensors) -> None:
         """Watch more tensors (sentinel) from inside the region."""
-        if self._watcher is not None:
-            self._watcher.mark(*tensors)
+        if self._sentinel is not None:
+            self._sentinel.layer.mark(*tensors)
 
     @contextmanager
     def unchecked(self) -> Iterator[None]:
         """A block whose host reads are not the code under check (a CPU reference standing in
         for device kernels): the sentinel pauses inside; mark its outputs after, if they count."""
-        watcher = self._watcher
+        watcher = self._sentinel.layer if self._sentinel is not None else None
         if watcher is None:
             yield
             return
@@ -176,26 +201,35 @@ class SyncCheck:
         return self
 
     def _start(self) -> None:
+        self.thread_name = threading.current_thread().name
+        note_thread()
         order = sorted(self._region_layers(), key=lambda n: _layers.REGION_LAYERS[n].order)
         try:
             for name in order:
-                layer = _layers.REGION_LAYERS[name].create(self.watch)
-                layer.start()
-                self._running.append(layer)
+                cls = _layers.REGION_LAYERS[name]
+                try:
+                    run = _shared.join(self, name, self.watch if cls.needs_watch else ())
+                except _shared.NotJoinable as exc:
+                    self.layer_names.remove(name)
+                    self.unavailable[name] = str(exc)
+                    continue
+                self._running.append(run)
                 self.ran.append(name)
-                if _layers.REGION_LAYERS[name].needs_watch:  # the layer that follows watched data
-                    self._watcher = layer
+                if cls.needs_watch:  # the layer that follows watched data
+                    self._sentinel = run
+                    self._touched = 0
+            self._require(with_probes=self._defer)
         except BaseException:
             self._stop_all()
             raise
 
     def _stop_all(self) -> None:
-        while self._running:
-            layer = self._running.pop()
-            self.records.extend(layer.stop())
-        if self._watcher is not None:
-            self._touched = self._watcher.touched
-        self._watcher = None
+        try:
+            while self._running:
+                _shared.leave(self, self._running.pop())
+        finally:
+            self._running.clear()
+            self._sentinel = None
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         self._stop_all()
@@ -222,9 +256,15 @@ class SyncCheck:
         return found
 
     def finish(self, exc=None) -> None:
-        """Report to the innermost listener (the running test); raise if over budget."""
+        """Report to the innermost listener (the running test); raise if over budget (unless a
+        region inside this one already raises for its syncs)."""
+        if self.allow is not None:
+            self.records = [dataclasses.replace(r, allowed=why) if not r.allowed and (why := self.allow(r))
+                            else r for r in self.records]
         if _listeners:
             _listeners[-1](self)
+        if isinstance(exc, HostSyncError):
+            return
         if self.raise_on_sync and self.violations:
             raise HostSyncError(self.records, self.budget, self.where,
                                 unavailable=[f"{k} ({v})" for k, v in self.unavailable.items()]
@@ -253,8 +293,9 @@ def check_step(step_fn: Callable[[], Any], *, watch: Sequence = (), layers=None,
     check = SyncCheck(watch=watch, layers=layers, budget=budget, raise_on_sync=raise_on_sync,
                       where=where, defer=True)
     check._require(with_probes=True)
-    for _ in range(warmup):
-        step_fn()
+    with harness_work():  # not checked, by this region or any around it
+        for _ in range(warmup):
+            step_fn()
     if check._region_layers():
         with check:
             step_fn()

@@ -3,8 +3,9 @@
 A guest in every project that installs the package: nothing changes until the project asks.
 GPU pinning per xdist worker (`--sync-pin-gpus` / `sync_pin_gpus`), skipping `gpu`-marked tests
 where CUDA is absent (`sync_gpu_marker`) and filtering torch's prototype and profiler warnings
-(`sync_filter_warnings`) are opt-in; fixtures live in `fixtures.py`, reporting in `report.py`,
-detection in `layers/`, the checked region in `guard.py`.
+(`sync_filter_warnings`) are opt-in, and so is vLLM mode (`--sync-vllm`, `vllm_mode.py`); fixtures
+live in `fixtures.py`, reporting in `report.py`, detection in `layers/`, the checked region in
+`guard.py`.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ WARNING_FILTERS = (
 )
 UNAVAILABLE_CHOICES = ("error", "skip")
 _KEY_CHECKS = pytest.StashKey[list]()
+_KEY_STORED = pytest.StashKey[int]()
 
 
 def pytest_addoption(parser):
@@ -54,13 +56,14 @@ def pytest_addoption(parser):
     group.addoption("--gpus-per-worker", type=int, default=1, metavar="N",
                     help="GPUs each xdist worker gets when pinning (default 1)")
     group.addoption("--sync-vllm", action="store_true", default=None,
-                    help="vLLM mode: prepare the process for vLLM before it is imported (CPU platform "
-                         "and Triton interpreter where CUDA is absent), record vLLM's gpu_sync_allowed() "
-                         "syncs as allowed, accept known upstream syncs (ini: sync_vllm)")
+                    help="vLLM mode: prepare the process for vLLM before the first conftest (CPU platform "
+                         "and Triton interpreter where CUDA is absent), check every vLLM attention-metadata "
+                         "build() as a region, record vLLM's gpu_sync_allowed() syncs as allowed, accept "
+                         "known upstream reads; the run fails if no build was checked (ini: sync_vllm)")
     parser.addini("sync_vllm", type="bool", default=False, help="vLLM mode (--sync-vllm)")
     parser.addini("sync_vllm_baseline", default="",
-                  help="known upstream vLLM syncs to accept in vLLM mode: a JSON list of {site, why, "
-                       "link}; default: the ones found in vLLM 0.33")
+                  help="known upstream vLLM syncs to accept in vLLM mode: a JSON list of {file, function, "
+                       "code, why, link}; default: the ones found in vLLM 0.33")
     parser.addini("sync_unavailable", default="error",
                   help="error or skip: a check none of whose layers can run here "
                        "(--sync-unavailable overrides)")
@@ -88,6 +91,14 @@ def _pin_requested(config) -> bool:
 
 
 @pytest.hookimpl(tryfirst=True)
+def pytest_load_initial_conftests(early_config, parser, args):
+    from . import vllm_mode
+
+    if vllm_mode.requested(early_config):
+        vllm_mode.early(early_config)
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_configure(config):
     config._vss_pinning = None
     if _pin_requested(config):
@@ -102,19 +113,23 @@ def pytest_configure(config):
     if config.getini("sync_gpu_marker"):
         config.addinivalue_line(
             "markers", "gpu: needs a CUDA device (skipped with a reason where CUDA is absent)")
+    from . import vllm_mode
     from .guard import default_layer_spec, set_default_layers
-    from .records import known_sites
+    from .known import known_reads
 
     # process-wide state this run sets, put back at unconfigure (in-process runs nest)
-    config._vss_saved = (default_layer_spec(), known_sites())
+    config._vss_saved = (default_layer_spec(), known_reads())
     try:
         set_default_layers(config.getoption("sync_layers", "auto"))
     except (TypeError, ValueError) as exc:
         raise pytest.UsageError(f"--sync-layers: {exc}") from None
     config._vss_unavailable = unavailable_policy(config)
-    if config.getoption("sync_vllm", None) or config.getini("sync_vllm"):
-        _enter_vllm_mode(config)
-    if not hasattr(config, "workerinput"):  # the controller (or a run without xdist)
+    controller = not hasattr(config, "workerinput")
+    distributing = controller and getattr(config.option, "dist", "no") != "no"
+    config._vss_vllm = None
+    if vllm_mode.requested(config):
+        vllm_mode.enter(config, runs_tests=not distributing)
+    if controller:  # the controller (or a run without xdist)
         config.pluginmanager.register(SyncSession(config), "vllm_sparse_sync_session")
 
 
@@ -122,35 +137,15 @@ def pytest_unconfigure(config):
     saved = getattr(config, "_vss_saved", None)
     if saved is None:
         return
+    from . import vllm_mode
     from .guard import set_default_layers
-    from .records import accept_known_sites, forget_known_sites
+    from .known import accept_known_reads, forget_known_reads
 
-    spec, sites = saved
+    vllm_mode.leave(config)
+    spec, reads = saved
     set_default_layers(spec)
-    forget_known_sites()
-    accept_known_sites(sites)
-
-
-def _enter_vllm_mode(config) -> None:
-    """Prepare the process for vLLM (before anything imports it) and wire its allowed syncs."""
-    try:
-        from ..vllm.allowed import install_allowed_regions
-        from ..vllm.audit import load_baseline
-    except ModuleNotFoundError as exc:
-        if exc.name == "vllm":
-            raise pytest.UsageError('--sync-vllm: vLLM is not installed (pip install -e ".[vllm]")') from None
-        raise
-    except RuntimeError as exc:  # vLLM was imported before the CPU setup
-        raise pytest.UsageError(f"--sync-vllm: {exc}") from None
-    from .records import accept_known_sites
-
-    install_allowed_regions()
-    try:
-        baseline = load_baseline(config.getini("sync_vllm_baseline") or None)
-    except (OSError, ValueError) as exc:
-        raise pytest.UsageError(f"sync_vllm_baseline: {exc}") from None
-    accept_known_sites({d["site"]: f"known upstream vLLM sync: {d.get('why', '')}".strip()
-                        for d in baseline})
+    forget_known_reads()
+    accept_known_reads(reads)
 
 
 def pytest_generate_tests(metafunc):
@@ -160,8 +155,9 @@ def pytest_generate_tests(metafunc):
 
 def pytest_report_header(config):
     spec = config.getoption("sync_layers")
+    vllm = getattr(config, "_vss_vllm", None)
     opted_in = (spec != "auto" or config._vss_pinning is not None or config.getini("sync_gpu_marker")
-                or config.getoption("sync_unavailable", None))
+                or config.getoption("sync_unavailable", None) or vllm is not None)
     if not opted_in:
         return None
     from .guard import resolve_layers
@@ -169,8 +165,12 @@ def pytest_report_header(config):
     _, cannot = resolve_layers(None, watch=True)
     not_here = "; ".join(f"{k}: {v}" for k, v in cannot.items())
     pinning = f", {config._vss_pinning}" if config._vss_pinning else ""
-    return (f"vllm-sparse-sync: layers={spec}"
-            + (f" (cannot run here: {not_here})" if not_here else "") + pinning)
+    lines = [f"vllm-sparse-sync: layers={spec}" + (f" (cannot run here: {not_here})" if not_here else "")
+             + pinning]
+    if vllm is not None:
+        lines.append(f"vllm-sparse-sync: --sync-vllm ({vllm['setup']}): every vLLM metadata build() is "
+                     "a checked region")
+    return lines
 
 
 def pytest_collection_modifyitems(config, items):
@@ -204,12 +204,23 @@ def pytest_runtest_protocol(item, nextitem):
 
     checks: list = []
     item.stash[_KEY_CHECKS] = checks
+    item.stash[_KEY_STORED] = 0
     listener = checks.append
     add_listener(listener)
     try:
         return (yield)
     finally:
         remove_listener(listener)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    checks = item.stash.get(_KEY_CHECKS, None)
+    if checks is not None:  # this phase's regions travel on its report (and across xdist)
+        stored = item.stash.get(_KEY_STORED, 0)
+        store_checks(item, checks[stored:], call.when)
+        item.stash[_KEY_STORED] = len(checks)
+    return (yield)
 
 
 @pytest.hookimpl(wrapper=True)
@@ -232,7 +243,6 @@ def pytest_runtest_call(item):
     finally:
         if auto is not None and auto._running:
             auto.__exit__(None, None, None)
-        store_checks(item, checks)
     if budget is not None:
         enforce_budget(item, budget, checks)
     return result

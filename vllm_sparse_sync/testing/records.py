@@ -12,6 +12,8 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 
+from .known import find_known
+
 # Kinds shared by every layer.
 SCALAR_READ = "scalar_read"  # .item(), int(), bool(), torch.equal, sizing from a device value
 D2H_COPY = "d2h_copy"  # .cpu(), .tolist(), .numpy(), .to("cpu")
@@ -119,6 +121,49 @@ def user_frame_of_traceback(tb) -> Frame:
     return found
 
 
+_harness = threading.local()
+HARNESS_MARK = "vllm_sparse_sync::harness"  # the profiler range of the harness's own work
+
+
+@contextlib.contextmanager
+def harness_work(mark: bool = True):
+    """A block of the harness's own work on this thread (a profiler's restart, a probe's warm-up
+    and capture): the region layers running around it record nothing from this thread inside.
+    `mark`: also a profiler range, so a profiler running around it leaves it out (not for the
+    block that stops or starts that profiler)."""
+    _harness.depth = getattr(_harness, "depth", 0) + 1
+    try:
+        torch = sys.modules.get("torch") if mark else None
+        if torch is not None:
+            with torch.autograd.profiler.record_function(HARNESS_MARK):
+                yield
+        else:
+            yield
+    finally:
+        _harness.depth -= 1
+
+
+def in_harness_work() -> bool:
+    """Whether this thread is inside `harness_work()`."""
+    return getattr(_harness, "depth", 0) > 0
+
+
+_thread_names: dict[int, str] = {}
+
+
+def note_thread() -> None:
+    """Remember this thread's name by its native id (a profiler names threads by that id, after
+    the thread may have ended)."""
+    _thread_names[threading.get_native_id()] = threading.current_thread().name
+
+
+def thread_names() -> dict[int, str]:
+    """Native thread id -> name, for the threads running now and those that ran a region."""
+    names = dict(_thread_names)
+    names.update({t.native_id: t.name for t in threading.enumerate() if t.native_id is not None})
+    return names
+
+
 _allowed = threading.local()
 ALLOWED_MARK = "vllm_sparse_sync::allowed"  # the profiler range of an allowed region
 
@@ -148,35 +193,6 @@ def allowed_syncs(reason: str):
         stack.pop()
 
 
-_known_sites: dict[str, str] = {}
-
-
-def accept_known_sites(sites: Mapping[str, str]) -> None:
-    """Record syncs at these sites (`path/to/file.py:line` suffixes, e.g. a library's known
-    upstream host reads) as allowed, with the given reasons; shown every run, never counted."""
-    _known_sites.update(sites)
-
-
-def known_sites() -> dict[str, str]:
-    """The accepted sites and their reasons (a copy)."""
-    return dict(_known_sites)
-
-
-def forget_known_sites() -> None:
-    _known_sites.clear()
-
-
-def known_reason(location: str) -> str | None:
-    """Why a sync at `location` is accepted, if a known site ends it."""
-    if not _known_sites:
-        return None
-    loc = location.replace("\\", "/")
-    for site, why in _known_sites.items():
-        if loc.endswith(site):
-            return why
-    return None
-
-
 @dataclass(frozen=True)
 class SyncRecord:
     """One synchronization (or host read) seen by one layer."""
@@ -194,19 +210,26 @@ class SyncRecord:
     the user function around a call the layer saw without its line, e.g. an extension's), or
     "region" (the line that entered the checked region, when the layer saw no Python frame)."""
     allowed: str = ""
-    """Why this sync is allowed (a deliberate one, e.g. inside vLLM's `gpu_sync_allowed()`);
-    empty for a sync that counts."""
+    """Why this sync is allowed (a deliberate one, e.g. inside vLLM's `gpu_sync_allowed()`, or a
+    known upstream read); empty for a sync that counts."""
+    known: bool = False
+    """Whether it is allowed as a known read (`known.py`) rather than by an allowed region."""
 
     @classmethod
     def at(cls, kind: str, layer: str, op: str, frame: Frame, detail: str = "",
            thread: str | None = None, attribution: str = "op", allowed: str = "") -> SyncRecord:
         """A record at `frame`; `allowed` (why the layer saw it as allowed) falls back to the
-        thread's allowed region, then to the known sites."""
-        allowed = allowed or allowed_reason() or known_reason(frame.location) or ""
+        thread's allowed region, then to the known reads."""
+        allowed = allowed or allowed_reason() or ""
+        known = False
+        if not allowed:
+            read = find_known(frame.filename, frame.function, frame.code, op)
+            if read is not None:
+                allowed, known = read.why or f"known read in {read.function}", True
         return cls(kind=kind, layer=layer, op=op, location=frame.location,
                    function=frame.function, code=frame.code,
                    thread=thread if thread is not None else threading.current_thread().name,
-                   detail=detail, attribution=attribution, allowed=allowed)
+                   detail=detail, attribution=attribution, allowed=allowed, known=known)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -61,7 +61,7 @@ class Scenario:
         from .watch import device_tensors
 
         return device_tensors(self.batch, self.builder, self.step_.workspace,
-                              [self.q_fp8, self.weights, self.k_cache])
+                              [self.q_fp8, self.weights, self.k_cache], strict=True)
 
     def build(self) -> IndexerDecodeMetadata:
         """The builder's step: eager `build()` (capture path: `build_for_capture()` first)."""

@@ -2,8 +2,9 @@
 
 Convention (this project's and vLLM's): a host twin's name has the word ``cpu`` (or ``np``);
 everything else a builder, a batch or a metadata object holds is device data. A CPU stand-in
-for a device tensor that shares storage with its host twin cannot be told apart from the twin,
-so it is refused here rather than silently unwatched.
+for a device tensor that shares storage with a host twin cannot be told apart from the twin
+(reads of the twin are host reads), so it is left out of the watch and named in the list's
+`unwatched`, which checked regions report.
 """
 
 from __future__ import annotations
@@ -38,18 +39,31 @@ def _children(obj, depth: int):
     return []
 
 
-def device_tensors(*objs, depth: int = 3) -> list[torch.Tensor]:
+class WatchList(list):
+    """Tensors to watch; `unwatched` names the device-standing tensors left out because they share
+    storage with a host twin (``Batch.seq_lens (storage of Batch.seq_lens_cpu)``)."""
+
+    unwatched: tuple[str, ...] = ()
+
+
+def _label(obj, i: int, n: int) -> str:
+    name = type(obj).__name__
+    return name if n == 1 or not isinstance(obj, (list, tuple, dict)) else f"objs[{i}]"
+
+
+def device_tensors(*objs, depth: int = 3, strict: bool = False) -> WatchList:
     """Every device-standing tensor in `objs`: tensors themselves, and the tensors their fields
     and attributes hold (through lists, tuples and dicts, and dataclasses and plain objects up
     to `depth` levels down), except under host-named attributes (``*_cpu``).
 
-    Raises ValueError when a collected tensor shares storage with a host twin (a CPU stand-in
-    that is the host tensor itself would hide every read of it).
+    A collected tensor that shares storage with a host twin is left out and named in the
+    result's `unwatched`; with `strict`, that is a ValueError naming it (for stand-ins this
+    project builds, which are always their own copies).
     """
     found: list[tuple[str, torch.Tensor]] = []
     host: list[tuple[str, torch.Tensor]] = []
     seen: set[int] = set()
-    stack = [(f"objs[{i}]", o, depth, False) for i, o in enumerate(objs)]
+    stack = [(_label(o, i, len(objs)), o, depth, False) for i, o in enumerate(objs)]
     while stack:
         path, obj, left, under_host = stack.pop()
         if isinstance(obj, torch.Tensor):
@@ -61,17 +75,24 @@ def device_tensors(*objs, depth: int = 3) -> list[torch.Tensor]:
         container = isinstance(obj, (list, tuple, dict))
         for name, value in _children(obj, left):
             child_host = under_host or is_host_name(name)
-            stack.append((f"{path}.{name}", value, left if container else left - 1, child_host))
-    host_storages = {id(s): p for p, t in host if (s := storage_of(t)) is not None}
-    out, kept = [], set()
+            sep = "" if name.startswith("[") else "."
+            stack.append((f"{path}{sep}{name}", value, left if container else left - 1, child_host))
+    host_storages = {}
+    for p, t in host:
+        s = storage_of(t)
+        if s is not None:
+            host_storages.setdefault(id(s), p)
+    out, kept, unwatched = WatchList(), set(), []
     for path, t in reversed(found):
         s = storage_of(t)
         if s is not None and id(s) in host_storages:
-            raise ValueError(
-                f"{path} shares storage with its host twin {host_storages[id(s)]}: a CPU stand-in "
-                "for a device tensor must be its own copy (clone it), or reads of it go unseen"
-            )
+            unwatched.append(f"{path} (storage of {host_storages[id(s)]})")
+            continue
         if id(t) not in kept:
             kept.add(id(t))
             out.append(t)
+    out.unwatched = tuple(dict.fromkeys(unwatched))
+    if strict and out.unwatched:
+        raise ValueError(f"{out.unwatched[0]} shares storage with its host twin: a CPU stand-in for a "
+                         "device tensor must be its own copy (clone it), or reads of it go unseen")
     return out

@@ -7,23 +7,14 @@ Without a CUDA device, importing it first prepares the process for vLLM's CPU pl
 
 from __future__ import annotations
 
-import importlib.util
-
+from ..testing.vllm_env import vllm_installed
 from .process import CPU_ENV, cuda_device_present, prepare_cpu_process
 
 VLLM_MISSING = (
     'vllm_sparse_sync.vllm needs vLLM, which is not installed: pip install "vllm-sparse-sync[vllm]"'
 )
 
-
-def _vllm_installed() -> bool:
-    try:
-        return importlib.util.find_spec("vllm") is not None
-    except (ImportError, ValueError):
-        return False
-
-
-if not _vllm_installed():
+if not vllm_installed():
     raise ModuleNotFoundError(VLLM_MISSING, name="vllm")
 if not cuda_device_present():
     prepare_cpu_process()

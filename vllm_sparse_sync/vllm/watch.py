@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from vllm.v1.attention.backend import CommonAttentionMetadata
 
-from ..testing.watch import device_tensors
+from ..testing.watch import WatchList, device_tensors
 from .cases import VllmIndexerCase
 
 # CommonAttentionMetadata fields that vLLM 0.33's runner fills with host tensors although their
@@ -14,11 +14,18 @@ from .cases import VllmIndexerCase
 HOST_FIELDS = ("is_prefilling", "rswa_prefix_lens")
 
 
-def vllm_watch(*objs: object, depth: int = 3) -> list[torch.Tensor]:
+def vllm_watch(*objs: object, depth: int = 3) -> WatchList:
     """Every device-standing tensor of `objs` (cases count as their builder and batch): the
     non-`_cpu` tensor fields of `CommonAttentionMetadata`, the builder's tensor attributes and
-    buffers, and tensors inside helper objects (a `CpuGpuBuffer`'s `.gpu`, not `.cpu`/`.np`)."""
+    buffers, and tensors inside helper objects (a `CpuGpuBuffer`'s `.gpu`, not `.cpu`/`.np`).
+
+    A device field passed as its host twin itself (``query_start_loc_cpu=query_start_loc``, as
+    vLLM's tests on the CPU do) is left out and named in the result's `unwatched`.
+    """
     expanded = [x for o in objs for x in ((o.builder, o.common) if isinstance(o, VllmIndexerCase) else (o,))]
     host = {id(t) for o in expanded if isinstance(o, CommonAttentionMetadata)
             for name in HOST_FIELDS if isinstance(t := getattr(o, name, None), torch.Tensor)}
-    return [t for t in device_tensors(*expanded, depth=depth) if id(t) not in host]
+    found = device_tensors(*expanded, depth=depth)
+    out = WatchList(t for t in found if id(t) not in host)
+    out.unwatched = found.unwatched
+    return out

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any, ClassVar
 
 from ..cuda_env import no_cuda_reason
-from ..records import CAPTURE_FAILURE, SyncRecord, user_frame_of_traceback
+from ..records import CAPTURE_FAILURE, SyncRecord, harness_work, user_frame_of_traceback
 from .debug_mode import DebugModeLayer, is_sync_error, record_error
 
 LAYER = "capture"
@@ -79,6 +79,10 @@ class CaptureProbe:
         return no_cuda_reason()
 
     def probe(self, step_fn: Callable[[], Any]) -> list[SyncRecord]:
+        with harness_work():  # its warm-up, capture and clean-up: not syncs of a region around it
+            return self._probe(step_fn)
+
+    def _probe(self, step_fn: Callable[[], Any]) -> list[SyncRecord]:
         import torch
 
         side = torch.cuda.Stream()

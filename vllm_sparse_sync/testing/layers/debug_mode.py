@@ -13,7 +13,7 @@ import warnings
 from typing import ClassVar
 
 from ..cuda_env import no_cuda_reason
-from ..records import STREAM_SYNC, SyncRecord, user_frame, user_frame_of_traceback
+from ..records import STREAM_SYNC, SyncRecord, in_harness_work, user_frame, user_frame_of_traceback
 from .protocol import LayerBase
 
 LAYER = "debug_mode"
@@ -67,6 +67,8 @@ class DebugModeLayer(LayerBase):
 
     def _show(self, message, category, filename, lineno, file=None, line=None):
         if SYNC_MESSAGE in str(message):
+            if in_harness_work():
+                return
             with self._lock:
                 self.records.append(SyncRecord.at(
                     STREAM_SYNC, LAYER, "torch sync (debug mode)", user_frame()))
@@ -95,4 +97,4 @@ class DebugModeLayer(LayerBase):
             if self._catch is not None:
                 self._catch.__exit__(None, None, None)
                 self._catch = None
-        return list(self.records)
+        return self.collect()

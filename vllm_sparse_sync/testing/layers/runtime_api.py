@@ -24,6 +24,7 @@ from ..records import (
     ALLOWED_MARK,
     DEVICE_SYNC,
     EVENT_SYNC,
+    HARNESS_MARK,
     MEMCPY_SYNC,
     PAGEABLE_MEMCPY,
     STREAM_SYNC,
@@ -31,7 +32,11 @@ from ..records import (
     Frame,
     SyncRecord,
     _skipped,
+    harness_work,
     user_frame,
+)
+from ..records import (
+    thread_names as known_thread_names,
 )
 from .protocol import LayerBase
 
@@ -126,11 +131,15 @@ def _attribution(evt, op_frames: dict[int, Frame], marks: list) -> tuple[Frame |
     return None, op, "region"
 
 
+def _within(evt, ranges: list) -> bool:
+    """Whether `evt` started inside one of `ranges` on its own thread."""
+    start = evt.time_range.start
+    return any(a.thread == evt.thread and a.time_range.start <= start <= a.time_range.end for a in ranges)
+
+
 def _allowed_by(evt, allowed: list) -> str:
     """"allowed region" when `evt` ran inside an `allowed_syncs` range (same thread), else ""."""
-    start = evt.time_range.start
-    hit = any(a.thread == evt.thread and a.time_range.start <= start <= a.time_range.end for a in allowed)
-    return "inside an allowed region" if hit else ""
+    return "inside an allowed region" if _within(evt, allowed) else ""
 
 
 def _is_device_event(evt) -> bool:
@@ -147,14 +156,15 @@ def records_from_events(events, *, fallback: Frame = UNKNOWN, thread_names: dict
     op_frames = op_frames or {}
     marks = [e for e in events if e.name.startswith(OP_MARK) and not _is_device_event(e)]
     allowed = [e for e in events if e.name == ALLOWED_MARK and not _is_device_event(e)]
+    harness = [e for e in events if e.name == HARNESS_MARK and not _is_device_event(e)]
     regions = [e for e in events if e.name == REGION and not _is_device_event(e)]
     if not regions:
         return []
     spans = [(r.time_range.start, r.time_range.end) for r in regions]
 
-    def inside(e) -> bool:
+    def inside(e) -> bool:  # the region's, not the harness's own work inside it
         s = e.time_range.start
-        return any(a <= s <= b for a, b in spans)
+        return any(a <= s <= b for a, b in spans) and not _within(e, harness)
 
     out: list[SyncRecord] = []
     synced_roots = set()
@@ -206,13 +216,20 @@ def _op_mark_mode(frames: dict[int, Frame]):
 
 
 class RuntimeApiLayer(LayerBase):
-    """Profiles the region and reports synchronizing CUDA API calls from any library."""
+    """Profiles the region and reports synchronizing CUDA API calls from any library.
+
+    Torch's profiler is stopped only on the thread that started it and cannot nest, so regions
+    of that thread share one instance; `collect()` ends the profiling session, turns its events
+    into records and starts the next one.
+    """
 
     name: ClassVar[str] = LAYER
     order: ClassVar[int] = 0  # outermost: the profiler's own syncs stay outside the others
+    own_thread_only: ClassVar[bool] = True
 
     def __init__(self, *, with_stack: bool = True):
         self.with_stack = with_stack
+        self.records: list[SyncRecord] = []
         self._prof = None
         self._region = None
         self._marks = None
@@ -221,41 +238,76 @@ class RuntimeApiLayer(LayerBase):
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
-        return no_cuda_reason()
+        reason = no_cuda_reason()
+        if reason is None and _foreign_profiler_running():
+            return "another torch profiler is running in this process (CUPTI takes one)"
+        return reason
 
     def start(self) -> None:
         import torch
-        from torch.profiler import ProfilerActivity, profile, record_function
 
         self._entry = user_frame()
-        torch.cuda.synchronize()  # outside the region: earlier work is not ours
+        with harness_work(mark=False):
+            torch.cuda.synchronize()  # outside the region: earlier work is not ours
+        self._begin()
+        self._marks = _op_mark_mode(self._op_frames)
+        self._marks.__enter__()
+
+    def _begin(self) -> None:
+        from torch.profiler import ProfilerActivity, profile, record_function
+
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", category=UserWarning, module=_PROFILER_WARNINGS)
             self._prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
                                  with_stack=self.with_stack)
             self._prof.__enter__()
+        _ours.add(id(self._prof))
         self._region = record_function(REGION)
         self._region.__enter__()
-        self._marks = _op_mark_mode(self._op_frames)
-        self._marks.__enter__()
+
+    def _end(self) -> list[SyncRecord]:
+        if self._prof is None:
+            return []
+        prof, self._prof = self._prof, None
+        try:
+            self._region.__exit__(None, None, None)
+        finally:
+            _ours.discard(id(prof))
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", category=UserWarning,
+                                        module=_PROFILER_WARNINGS)
+                prof.__exit__(None, None, None)
+                events = prof.events()
+        return records_from_events(events, fallback=self._entry, thread_names=known_thread_names(),
+                                   op_frames=self._op_frames)
+
+    def collect(self) -> list[SyncRecord]:
+        if self._prof is None:
+            return []
+        with harness_work(mark=False):
+            found = self._end()
+            self._begin()
+        return found
 
     def stop(self) -> list[SyncRecord]:
-        import threading
-
         if self._prof is None:
             return []
         try:
             if self._marks is not None:
                 self._marks.__exit__(None, None, None)
                 self._marks = None
-            self._region.__exit__(None, None, None)
         finally:
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", category=UserWarning,
-                                        module=_PROFILER_WARNINGS)
-                self._prof.__exit__(None, None, None)
-                events = self._prof.events()
-        self._prof = None
-        names = {getattr(t, "native_id", None): t.name for t in threading.enumerate()}
-        return records_from_events(events, fallback=self._entry, thread_names=names,
-                                   op_frames=self._op_frames)
+            with harness_work(mark=False):
+                found = self._end()
+        return found
+
+
+_ours: set[int] = set()
+
+
+def _foreign_profiler_running() -> bool:
+    """Whether a torch profiler that is not this layer's runs (a user's `torch.profiler`)."""
+    import torch
+
+    enabled = getattr(torch.autograd.profiler, "_is_profiler_enabled", False)
+    return bool(enabled) and not _ours

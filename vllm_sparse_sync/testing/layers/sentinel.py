@@ -21,6 +21,7 @@ import threading
 from collections.abc import Iterable
 from typing import ClassVar
 
+import numpy as np
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -31,6 +32,7 @@ from ..records import (
     PAGEABLE_MEMCPY,
     SCALAR_READ,
     SyncRecord,
+    in_harness_work,
     user_frame,
 )
 from . import launch_hooks
@@ -186,6 +188,17 @@ def _classify(name, args, kwargs, taint: TaintSet) -> str | None:
     return None
 
 
+def _host_copy(out, taint: TaintSet):
+    """The result of a device-to-host copy as a copy of its own: a CPU stand-in's `.cpu()`,
+    `.to("cpu")` or `.numpy()` can return the watched storage itself, which a CUDA tensor's never
+    does; later host reads of it read host data and are no sync."""
+    if isinstance(out, torch.Tensor) and out in taint:
+        return out.clone()
+    if isinstance(out, np.ndarray):
+        return out.copy()
+    return out
+
+
 class _ReadMode(TorchFunctionMode):
     """Python-level calls: flags host reads, follows taint into results."""
 
@@ -205,6 +218,13 @@ class _ReadMode(TorchFunctionMode):
         kind = _classify(name, args, kwargs, taint)
         if kind is not None:
             layer.flag(kind, func)
+        if kind == D2H_COPY:  # the copy is the sync; what it returns is host data
+            layer.touched += 1
+            layer.pause()
+            try:
+                return _host_copy(func(*args, **kwargs), taint)
+            finally:
+                layer.resume()
         tainted_in = taint.any(args) or taint.any(kwargs)
         out = func(*args, **kwargs)
         if tainted_in:
@@ -306,6 +326,7 @@ class SentinelLayer(LayerBase):
     name: ClassVar[str] = LAYER
     order: ClassVar[int] = 30  # innermost: closest to the user code
     needs_watch: ClassVar[bool] = True
+    shared_by: ClassVar[str] = "thread"  # torch modes are per thread
 
     def __init__(self, watch=()):
         self.watch = watch_list(watch)
@@ -331,7 +352,12 @@ class SentinelLayer(LayerBase):
         for t in watch_list(list(tensors)):
             self.taint.add(t)
 
+    def add_watch(self, watch) -> None:
+        self.mark(*watch)
+
     def flag(self, kind: str, func) -> None:
+        if in_harness_work():
+            return
         op = getattr(func, "__qualname__", None) or getattr(func, "__name__", str(func))
         if "<locals>" in op:
             op = getattr(func, "__name__", op)
@@ -374,4 +400,4 @@ class SentinelLayer(LayerBase):
     def stop(self) -> list[SyncRecord]:
         launch_hooks.unwatch_launches(self)
         self._exit_modes()
-        return list(self.records)
+        return self.collect()

@@ -12,7 +12,7 @@ import threading
 from typing import ClassVar
 
 from ..cuda_env import no_cuda_reason
-from ..records import DEVICE_SYNC, EVENT_SYNC, STREAM_SYNC, SyncRecord, user_frame
+from ..records import DEVICE_SYNC, EVENT_SYNC, STREAM_SYNC, SyncRecord, in_harness_work, user_frame
 from .protocol import LayerBase
 
 LAYER = "trace"
@@ -28,6 +28,8 @@ def trace_allowed() -> bool:
 
 
 def _fire(kind: str, op: str) -> None:
+    if in_harness_work():
+        return
     with _lock:
         targets = list(_active)
     if not targets:
@@ -82,4 +84,4 @@ class TraceLayer(LayerBase):
         with _lock:
             if self in _active:
                 _active.remove(self)
-        return list(self.records)
+        return self.collect()
