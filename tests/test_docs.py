@@ -1,4 +1,4 @@
-"""The README's Python snippets run as written, and the runnable example passes."""
+"""The Python snippets of the README and docs/ run as written, and the runnable example passes."""
 
 from __future__ import annotations
 
@@ -10,17 +10,19 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SNIPPETS = re.findall(r"```python\n(.*?)```", open(os.path.join(ROOT, "README.md")).read(), re.S)
+DOCS = ["README.md", *sorted(f"docs/{name}" for name in os.listdir(os.path.join(ROOT, "docs")) if name.endswith(".md"))]
+SNIPPETS = [(doc, i, code) for doc in DOCS
+            for i, code in enumerate(re.findall(r"```python\n(.*?)```", open(os.path.join(ROOT, doc)).read(), re.S))]
 
 
 def test_the_readme_has_snippets():
-    assert len(SNIPPETS) >= 2
+    assert len([s for s in SNIPPETS if s[0] == "README.md"]) >= 2
 
 
-@pytest.mark.parametrize("i", range(len(SNIPPETS)))
-def test_readme_snippet_runs_as_written(i, tmp_path):
+@pytest.mark.parametrize("doc, i, code", SNIPPETS, ids=[f"{d}:{i}" for d, i, _ in SNIPPETS])
+def test_snippet_runs_as_written(doc, i, code, tmp_path):
     script = tmp_path / f"snippet_{i}.py"
-    script.write_text(SNIPPETS[i])
+    script.write_text(code)
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
                           cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
