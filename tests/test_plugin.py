@@ -195,7 +195,7 @@ def test_sync_layers_that_cannot_run_here_fail_the_test_not_pass_it(pytester):
     result = _run(pytester, VACUOUS, "--sync-layers=debug_mode")
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines([
-        "vllm-sparse-sync: layers=debug_mode (cannot run here: debug_mode: torch*without CUDA*",
+        "vllm-sparse-sync: layers none (not here: debug_mode: torch*without CUDA*",
         "*SyncCheckUnavailable: no sync detection layer can run here*",
         "*debug_mode: torch * is built without CUDA*",
     ])

@@ -250,8 +250,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="--target vllm: also the bound this project's vLLM plugin puts in "
                             "vLLM's metadata")
     audit.add_argument("--baseline", metavar="FILE",
-                       help="--target vllm: known upstream syncs to accept (JSON list of {site, why, "
-                            "link}); default: the ones found in vLLM 0.33")
+                       help="--target vllm: known upstream syncs to accept (JSON list of {file, function, "
+                            "code or op, why, link}); default: the ones found in vLLM 0.33")
     audit.add_argument("--json", metavar="FILE", help="also write the rows as a JSON list to FILE")
     audit.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
     audit.add_argument("--path", action="append", help="audit only this path (repeatable, each once)")

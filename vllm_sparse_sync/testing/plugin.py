@@ -162,10 +162,13 @@ def pytest_report_header(config):
         return None
     from .guard import resolve_layers
 
-    _, cannot = resolve_layers(None, watch=True)
-    not_here = "; ".join(f"{k}: {v}" for k, v in cannot.items())
+    run, cannot = resolve_layers(None, watch=True)
+    by_reason: dict[str, list[str]] = {}
+    for name, why in cannot.items():  # one clause a reason: the layers it rules out, then why
+        by_reason.setdefault(why, []).append(name)
+    not_here = "; ".join(f"{', '.join(names)}: {why}" for why, names in by_reason.items())
     pinning = f", {config._vss_pinning}" if config._vss_pinning else ""
-    lines = [f"vllm-sparse-sync: layers={spec}" + (f" (cannot run here: {not_here})" if not_here else "")
+    lines = [f"vllm-sparse-sync: layers {','.join(run) or 'none'}" + (f" (not here: {not_here})" if not_here else "")
              + pinning]
     if vllm is not None:
         lines.append(f"vllm-sparse-sync: --sync-vllm ({vllm['setup']}): every vLLM metadata build() is "
