@@ -186,7 +186,7 @@ def test_vllms_deliberate_syncs_are_allowed_not_failures():
 
 
 @pytest.mark.parametrize("argv, words", [
-    (["audit", "--target", "vllm", "--path", "nope"], "unknown vLLM path"),
+    (["audit", "--target", "vllm", "--path", "nope"], "--path: unknown path(s) nope; known: decode,"),
     (["audit", "--target", "vllm", "--device", "cpu"], "--device"),
     (["audit", "--target", "vllm", "--baseline", "/nonexistent.json"], "--baseline"),
     (["audit", "--with-plugin"], "--target vllm"),
