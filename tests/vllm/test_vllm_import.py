@@ -38,3 +38,17 @@ def test_rest_of_package_never_imports_it():
     """)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"
+
+
+def test_the_modules_that_need_vllm_are_collected_exactly_where_it_is_installed():
+    import importlib.util
+    import pathlib
+
+    from vllm_sparse_sync.testing.vllm_env import vllm_installed
+
+    here = pathlib.Path(__file__).parent
+    spec = importlib.util.spec_from_file_location("vllm_tests_conftest", here / "conftest.py")
+    vllm_conftest = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(vllm_conftest)
+    assert all((here / name).exists() for name in vllm_conftest.NEEDS_VLLM)
+    assert vllm_conftest.collect_ignore == ([] if vllm_installed() else vllm_conftest.NEEDS_VLLM)
