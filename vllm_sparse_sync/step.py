@@ -20,6 +20,7 @@ from . import checks, kernels
 from .bounds import capture_stable_bound
 from .kernels import reference as ref
 from .kernels.config import DEFAULT_CONFIG, KernelConfig
+from .kernels import ops
 from .kernels.launch import CooperativeLaunchRefused
 from .kernels.planner import CUDA, DeviceInfo, Route, StepPlan, plan_step, width_bands
 from .layout import IndexerBackend, IndexerLayout
@@ -162,8 +163,6 @@ class IndexerStep:
                                         self.layout.topk, active_width=active, width=width,
                                         workspace=self.workspace, out=out, page_table=table,
                                         page_size=self.layout.page_size, unmapped=unmapped)
-        from .kernels import ops
-
         while True:
             try:
                 return ops.indexer_topk(q_fp8, weights, k_cache, meta.block_table, meta.row_lens,

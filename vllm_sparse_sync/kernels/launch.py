@@ -7,9 +7,24 @@ captured in a CUDA graph once its kernels are compiled (one eager call first).
 
 from __future__ import annotations
 
+import importlib
+
 import torch
 
 from .planner import CUDA, CUDA_RADIX, RADIX, SAMPLE, Route
+
+_MODULES: dict[str, object] = {}
+
+
+def _function(path: str):
+    """``"module:name"`` (relative to this package); the module is imported on first use and kept
+    (the launch modules import Triton or cuda-bindings, which the CPU route never loads), the name
+    looked up on it at each call."""
+    module, _, name = path.partition(":")
+    mod = _MODULES.get(module)
+    if mod is None:
+        mod = _MODULES[module] = importlib.import_module(module, __package__)
+    return getattr(mod, name)
 
 
 class CooperativeLaunchRefused(RuntimeError):
@@ -21,25 +36,20 @@ def launch_scorer(route: Route, q_fp8, weights, k_cache, block_table, row_lens, 
                   page: int, width: int, precise: bool, pdl: bool) -> None:
     """Scores of the live columns into ``logits`` by the route's scorer kernel."""
     if route.scorer == CUDA:
-        from .cuda.scorer import launch_cuda_score
-
-        launch_cuda_score(q_fp8, weights, k_cache, block_table, row_lens, active, logits, page_size=page,
+        _function(".cuda.scorer:launch_cuda_score")(q_fp8, weights, k_cache, block_table, row_lens, active, logits, page_size=page,
                           sel_width=width, fill_width=0, splits=route.score_splits, precise=precise, pdl=pdl)
         return
-    from .triton.scorer import launch_score
-
-    launch_score(q_fp8, weights, k_cache, block_table, row_lens, active, logits, page_size=page,
-                 sel_width=width, fill_width=0, splits=route.score_splits, precise=precise,
-                 launch_dependents=pdl)
+    _function(".triton.scorer:launch_score")(
+        q_fp8, weights, k_cache, block_table, row_lens, active, logits, page_size=page, sel_width=width,
+        fill_width=0, splits=route.score_splits, precise=precise, launch_dependents=pdl)
 
 
 def _cluster(route, logits, row_lens, active, ws, out, k, width, nan_low, after_scorer, pages, unmapped):
-    from .cuda.topk import ClusterPlan, cluster_smem_bytes, launch_cuda_topk_cluster
-
-    plan = ClusterPlan(route.topk_cluster, route.topk_cap,
-                       cluster_smem_bytes(route.topk_cap, route.topk_cluster, route.topk_threads),
-                       route.topk_threads)
-    launch_cuda_topk_cluster(logits, logits.stride(0), row_lens, active, out, k, width, nan_low=nan_low,
+    plan = _function(".cuda.topk:ClusterPlan")(
+        route.topk_cluster, route.topk_cap,
+        _function(".cuda.topk:cluster_smem_bytes")(route.topk_cap, route.topk_cluster, route.topk_threads),
+        route.topk_threads)
+    _function(".cuda.topk:launch_cuda_topk_cluster")(logits, logits.stride(0), row_lens, active, out, k, width, nan_low=nan_low,
                              plan=plan, smem=route.topk_smem, pdl=ws.config.pdl, lens_early=after_scorer,
                              page_table=None if pages is None else pages[0],
                              page_bits=0 if pages is None else pages[1],
@@ -48,23 +58,17 @@ def _cluster(route, logits, row_lens, active, ws, out, k, width, nan_low, after_
 
 
 def _one_cta(route, logits, row_lens, active, ws, out, k, width, nan_low, after_scorer, pages, unmapped):
-    from .cuda.topk import launch_cuda_topk
-
-    launch_cuda_topk(logits, logits.stride(0), row_lens, active, out, k, width, nan_low=nan_low)
+    _function(".cuda.topk:launch_cuda_topk")(logits, logits.stride(0), row_lens, active, out, k, width, nan_low=nan_low)
     return False
 
 
 def _radix(route, logits, row_lens, active, ws, out, k, width, nan_low, after_scorer, pages, unmapped):
-    from .triton.topk_radix import launch_radix_topk
-
-    launch_radix_topk(logits, logits.stride(0), row_lens, active, ws, out, k, width, route.topk_chunks, nan_low)
+    _function(".triton.topk_radix:launch_radix_topk")(logits, logits.stride(0), row_lens, active, ws, out, k, width, route.topk_chunks, nan_low)
     return False
 
 
 def _sample(route, logits, row_lens, active, ws, out, k, width, nan_low, after_scorer, pages, unmapped):
-    from .triton.topk_sample import launch_sample_topk
-
-    launch_sample_topk(logits, logits.stride(0), row_lens, active, ws, out, k, width, route.topk_chunks, nan_low)
+    _function(".triton.topk_sample:launch_sample_topk")(logits, logits.stride(0), row_lens, active, ws, out, k, width, route.topk_chunks, nan_low)
     return False
 
 
@@ -82,9 +86,7 @@ def launch_slots(out: torch.Tensor, pages: tuple | None, unmapped: torch.Tensor 
     """``out``'s positions rewritten as KV-cache slots by their own launch, where ``pages`` (table,
     log2 page size) is given; positions without a slot add to ``unmapped``."""
     if pages is not None:
-        from .triton.slots import launch_page_slots
-
-        launch_page_slots(out, *pages, unmapped)
+        _function(".triton.slots:launch_page_slots")(out, *pages, unmapped)
 
 
 def launch_topk(route: Route, logits, row_lens, active, ws, out, k: int, width: int, *, nan_low: bool,
@@ -102,10 +104,8 @@ def run_step(route: Route, ws, q_fp8, weights, k_cache, block_table, row_lens, a
              page: int, width: int, pages: tuple | None = None, unmapped: torch.Tensor | None = None) -> None:
     """Score, then select, by ``route`` (fused: one launch) into ``out``; ``ws``: the workspace."""
     if route.fused:
-        from .triton.fused import launch_fused_step
-
         try:
-            launch_fused_step(q_fp8, weights, k_cache, block_table, row_lens, active, out, ws, k=k, page=page,
+            _function(".triton.fused:launch_fused_step")(q_fp8, weights, k_cache, block_table, row_lens, active, out, ws, k=k, page=page,
                               sel_width=width, route=route)
         except RuntimeError as exc:
             if "cooperative" in str(exc).lower() and ws.fused_ctas_per_sm > 1:
