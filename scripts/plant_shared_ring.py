@@ -1,4 +1,4 @@
-"""Plant run 73's ring bug in a copy of the checkout, to see the scorer's GPU tests fail.
+"""Plant a shared-ring bug (one ring for every consumer) in a copy of the checkout, to see the scorer's GPU tests fail.
 
     python scripts/plant_shared_ring.py DEST [R]        # R slots shared by all consumers (default 6)
     cd DEST && PYTHONPATH=$PWD python -m pytest -m gpu tests/test_cuda_scorer_gpu.py -k shuffled

@@ -481,6 +481,6 @@ $L__BB0_2:
                   .replace("ILi8ELi1024ELb1EE", "ILi8ELi1024ELb1ELb0EE").replace("<9>", "<12>"))
     assert list(pd.entries(old)) == ["topk_cluster_c1_t512_a1"]
     assert pd.compare(pd.entries(old), pd.entries(renumbered)) == {"topk_cluster_c1_t512_a1": "same"}
-    vectorised = renumbered.replace("ld.shared.u32", "ld.shared.v2.u32")  # run 204's difference
+    vectorised = renumbered.replace("ld.shared.u32", "ld.shared.v2.u32")  # a vectorised shared load
     assert pd.compare(pd.entries(old), pd.entries(vectorised)) == {"topk_cluster_c1_t512_a1": "differs"}
     assert pd.compare(pd.entries(old), {}) == {"topk_cluster_c1_t512_a1": "gone"}

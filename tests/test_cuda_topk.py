@@ -485,7 +485,7 @@ def _phases_tool():
 
 def test_the_phase_tool_sizes_each_source_by_its_own_layout():
     """tools/cuda_topk_phases.py: a copy of the source is launched with the shared memory its
-    own pass counts take (run 197's copy laid out more than the library's host sized for and read
+    own pass counts take (a copy that lays out more than the library's host sizes for would read
     past its allocation); the library's source gets the planner's sizes; a copy that cannot fit
     or whose layout cannot be read is refused."""
     ph = _phases_tool()
@@ -579,7 +579,7 @@ class _FakeDriver:
 @pytest.mark.parametrize("cluster", cuda_topk.CLUSTER_SIZES)
 def test_a_tool_loaded_kernel_gets_its_cluster_size_and_shared_memory(cluster):
     """cuda_topk.load_cluster_function (the phase, trace and profile tools' kernels): a 16-CTA
-    kernel is allowed the non-portable size (run 146's tool could not launch one without it), a
+    kernel is allowed the non-portable size (without it the launch is refused), a
     smaller one is not touched, and every kernel gets its shared memory."""
     drv = _FakeDriver()
     name = cuda_topk.cluster_kernel_name(cluster, True)
