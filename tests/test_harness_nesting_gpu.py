@@ -122,9 +122,14 @@ def test_nested_regions_on_two_threads_record_each_sync_once():
     worker_sync = _with(out["err"].records, "# the worker's sync")
     assert {r.layer for r in worker_sync} == {"sentinel", "debug_mode"}, out["err"].records
     assert {r.thread for r in worker_sync} == {"worker"}
-    # the profiler runs for the main thread's region and sees the worker's sync there, once
+    # the profiler runs for the main thread's region: the main thread's sync is named by that
+    # thread's name (not the profiler's id), and nothing else it saw goes on that thread's account
     assert "runtime_api" in out["rec"].unavailable
-    assert [r.thread for r in main.records if r.layer == "runtime_api"].count("worker") >= 1
+    me = threading.current_thread().name
+    main_api = [r for r in main.records if r.layer == "runtime_api"]
+    mine = _with(main_api, "# the main thread's sync")
+    assert mine and {r.thread for r in mine} == {me}, main_api
+    assert all(r.thread != me for r in main_api if r not in mine), main_api
     debug = [r for r in main.records + out["rec"].records + out["err"].records if r.layer == "debug_mode"]
     assert len(_with(debug, "# the worker's sync")) == 1, debug  # one .item(): one sync, once
     assert _with(debug, "# the main thread's sync") and all(

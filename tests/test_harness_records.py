@@ -284,3 +284,19 @@ def test_runtime_api_leaves_out_the_harness_own_work_inside_the_region():
     user = _Evt("cudaStreamSynchronize", 60, 61, parent=region)
     records = records_from_events([region, harness, own, other_thread, user])
     assert [r.kind for r in records] == ["stream_sync", "stream_sync"]
+
+
+def test_runtime_api_names_threads_by_name_whatever_ids_the_profiler_gives():
+    """Some torch builds number the profiler's threads from 1 rather than by native id: the
+    region's thread is named by the region's own range; a native id is named from the harness's
+    table; any other id says it is the profiler's."""
+    region = _Evt("vllm_sparse_sync::checked_region", 0, 100)  # thread 1 (the profiler's id)
+    own = _Evt("cudaStreamSynchronize", 10, 11, parent=region)
+    native = _Evt("cudaStreamSynchronize", 20, 21)
+    native.thread = 4242
+    other = _Evt("cudaStreamSynchronize", 30, 31)
+    other.thread = 7
+    records = records_from_events([region, own, native, other], thread_names={4242: "worker"},
+                                  region_thread="MainThread")
+    assert [r.thread for r in records] == ["MainThread", "worker", "7"]
+    assert [r.thread for r in records_from_events([region, own])] == ["1"]

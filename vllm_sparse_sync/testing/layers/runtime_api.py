@@ -15,6 +15,7 @@ function around it from the Python tracer ("function"), else the line that enter
 from __future__ import annotations
 
 import re
+import threading
 import warnings
 from collections.abc import Iterable
 from typing import ClassVar
@@ -147,10 +148,13 @@ def _is_device_event(evt) -> bool:
 
 
 def records_from_events(events, *, fallback: Frame = UNKNOWN, thread_names: dict | None = None,
-                        op_frames: dict[int, Frame] | None = None) -> list[SyncRecord]:
+                        op_frames: dict[int, Frame] | None = None,
+                        region_thread: str | None = None) -> list[SyncRecord]:
     """Sync records from profiler FunctionEvents, counting only calls inside the region.
 
-    `op_frames`: the user frame of each op-mark range (`OP_MARK` + index).
+    `op_frames`: the user frame of each op-mark range (`OP_MARK` + index). `thread_names`: native
+    thread id -> name; `region_thread`: the name of the thread that opened the region, for the
+    profiler's own id of that thread (some torch builds number threads from 1, not by native id).
     """
     events = list(events)
     op_frames = op_frames or {}
@@ -168,7 +172,9 @@ def records_from_events(events, *, fallback: Frame = UNKNOWN, thread_names: dict
 
     out: list[SyncRecord] = []
     synced_roots = set()
-    names = thread_names or {}
+    names = dict(thread_names or {})
+    if region_thread is not None:
+        names.update({r.thread: region_thread for r in regions})
     for e in events:
         if _is_device_event(e) or not inside(e):
             continue
@@ -235,6 +241,7 @@ class RuntimeApiLayer(LayerBase):
         self._marks = None
         self._op_frames: dict[int, Frame] = {}
         self._entry = UNKNOWN
+        self._thread = threading.current_thread().name
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
@@ -279,7 +286,7 @@ class RuntimeApiLayer(LayerBase):
                 prof.__exit__(None, None, None)
                 events = prof.events()
         return records_from_events(events, fallback=self._entry, thread_names=known_thread_names(),
-                                   op_frames=self._op_frames)
+                                   op_frames=self._op_frames, region_thread=self._thread)
 
     def collect(self) -> list[SyncRecord]:
         if self._prof is None:
