@@ -17,7 +17,7 @@ import torch
 
 from . import checks
 from .layout import IndexerBackend, IndexerLayout
-from .lengths import compress, compress_ceil, dcp_localize, kernel_lengths
+from .lengths import compress, compress_ceil, layout_kernel_lengths, layout_localize
 
 
 class BoundSource(str, enum.Enum):
@@ -90,7 +90,7 @@ SOURCE_RULES: dict[tuple[IndexerBackend, bool, bool], BoundSource] = {
 
 
 def _localize(layout: IndexerLayout, rows: int) -> int:
-    return dcp_localize(rows, layout.dcp_world_size, layout.dcp_rank, layout.cp_interleave)
+    return layout_localize(layout, rows)
 
 
 def capture_stable_bound(layout: IndexerLayout) -> int:
@@ -110,8 +110,7 @@ def _metadata_upper_bound(layout: IndexerLayout, max_seq_len: int, live_max: int
 def _cpu_exact(layout: IndexerLayout, max_seq_len: int, live_max: int) -> int:
     # The longest token of a request has the request's full length and every transform is
     # monotone, so the transform of the longest live request is the exact maximum.
-    return kernel_lengths(live_max, layout.compress_ratio, layout.dcp_world_size, layout.dcp_rank,
-                          layout.cp_interleave)
+    return layout_kernel_lengths(layout, live_max)
 
 
 _VALUE_OF: dict[BoundSource, Callable[[IndexerLayout, int, int], int]] = {
@@ -222,7 +221,7 @@ def _check_dcp_local(shadow: SeqLenShadow, layout: IndexerLayout, lens: np.ndarr
             f"shadow.dcp_local_seq_lens_cpu: needs one entry per request ({n}), got {local_t.shape[0]}"
         )
     local = local_t.numpy()[:n].astype(np.int64)
-    want = dcp_localize(lens.astype(np.int64), layout.dcp_world_size, layout.dcp_rank, layout.cp_interleave)
+    want = layout_localize(layout, lens)  # lens: int64
     if n and (local != want).any():
         i = _first(local != want)
         raise ValueError(

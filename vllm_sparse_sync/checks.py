@@ -24,12 +24,15 @@ row's scratch words (histograms, counters) stay int32-addressable."""
 def host_int(name: str, value: object, *, low: int | None = None, high: int | None = None) -> int:
     """``value`` as a Python int in ``[low, high]``: ints and ``numpy.integer`` are taken; bools,
     floats, strings and tensors are a ``TypeError``, values out of range a ``ValueError``."""
-    if isinstance(value, (bool, np.bool_, torch.Tensor)):
+    if type(value) is int:  # the common case, on every build
+        v = value
+    elif isinstance(value, (bool, np.bool_, torch.Tensor)):
         raise TypeError(f"{name}: must be a host int, got {type(value).__name__}")
-    try:
-        v = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name}: must be a host int, got {type(value).__name__} {value!r}") from None
+    else:
+        try:
+            v = operator.index(value)
+        except TypeError:
+            raise TypeError(f"{name}: must be a host int, got {type(value).__name__} {value!r}") from None
     if low is not None and v < low:
         raise ValueError(f"{name}: must be >= {low}, got {v}")
     if high is not None and v > high:

@@ -37,22 +37,37 @@ def _host64(lengths: Lengths) -> Lengths:
     return host_int("lengths", lengths)
 
 
+def _compress(lengths: Lengths, ratio: int) -> Lengths:
+    return lengths if ratio == 1 else lengths // ratio
+
+
+def _compress_ceil(lengths: Lengths, ratio: int) -> Lengths:
+    return lengths if ratio == 1 else lengths // ratio + (lengths % ratio != 0)
+
+
+def _localize(lengths: Lengths, world_size: int, rank: int, interleave: int) -> Lengths:
+    if world_size == 1:
+        return lengths
+    if interleave == 1:  # tokens g < L with g % W == rank: L // W, plus one when L % W > rank
+        return lengths // world_size + (lengths % world_size > rank)  # a bool adds in L's dtype
+    span = interleave * world_size
+    base = (lengths // span) * interleave
+    rem = lengths % span - rank * interleave
+    if isinstance(rem, torch.Tensor):
+        return base + rem.clamp(0, interleave)
+    if isinstance(rem, np.ndarray):
+        return base + np.clip(rem, 0, interleave)
+    return base + min(max(rem, 0), interleave)
+
+
 def compress(lengths: Lengths, ratio: int) -> Lengths:
     """Tokens -> compressed rows: ``floor(len / ratio)``."""
-    ratio = host_int("ratio", ratio, low=1)
-    lengths = _host64(lengths)
-    if ratio == 1:
-        return lengths
-    return lengths // ratio
+    return _compress(_host64(lengths), host_int("ratio", ratio, low=1))
 
 
 def compress_ceil(lengths: Lengths, ratio: int) -> Lengths:
     """Tokens -> compressed rows, rounded up: ``ceil(len / ratio)`` (a bound, not a row length)."""
-    ratio = host_int("ratio", ratio, low=1)
-    lengths = _host64(lengths)
-    if ratio == 1:
-        return lengths
-    return lengths // ratio + (lengths % ratio != 0)
+    return _compress_ceil(_host64(lengths), host_int("ratio", ratio, low=1))
 
 
 def check_dcp(world_size: int, rank: int, interleave: int) -> None:
@@ -74,29 +89,27 @@ def dcp_localize(lengths: Lengths, world_size: int, rank: int, interleave: int =
     ``(L // (I*W)) * I + clamp(L % (I*W) - rank*I, 0, I)``. Lengths are ``>= 0``.
     """
     check_dcp(world_size, rank, interleave)
-    world_size, rank, interleave = int(world_size), int(rank), int(interleave)
-    lengths = _host64(lengths)
-    if world_size == 1:
-        return lengths
-    if interleave == 1:  # tokens g < L with g % W == rank: L // W, plus one when L % W > rank
-        extra = lengths % world_size > rank
-        if isinstance(extra, torch.Tensor):
-            extra = extra.to(lengths.dtype)
-        return lengths // world_size + extra
-    span = interleave * world_size
-    base = (lengths // span) * interleave
-    rem = lengths % span - rank * interleave
-    if isinstance(rem, torch.Tensor):
-        return base + rem.clamp(0, interleave)
-    if isinstance(rem, np.ndarray):
-        return base + np.clip(rem, 0, interleave)
-    return base + min(max(rem, 0), interleave)
+    return _localize(_host64(lengths), int(world_size), int(rank), int(interleave))
 
 
 def kernel_lengths(lengths: Lengths, ratio: int, world_size: int = 1, rank: int = 0,
                    interleave: int = 1) -> Lengths:
     """Per-token lengths in tokens -> kernel rows (compress, then localize)."""
-    return dcp_localize(compress(lengths, ratio), world_size, rank, interleave)
+    ratio = host_int("ratio", ratio, low=1)
+    check_dcp(world_size, rank, interleave)
+    return _localize(_compress(_host64(lengths), ratio), int(world_size), int(rank), int(interleave))
+
+
+def layout_kernel_lengths(layout, lengths: Lengths) -> Lengths:
+    """``kernel_lengths`` with the ratio and DCP placement of an ``IndexerLayout`` (checked when the
+    layout was made), on int64 host lengths, a Python int or an integer tensor."""
+    return _localize(_compress(lengths, layout.compress_ratio), layout.dcp_world_size,
+                     layout.dcp_rank, layout.cp_interleave)
+
+
+def layout_localize(layout, rows: Lengths) -> Lengths:
+    """``dcp_localize`` with an ``IndexerLayout``'s DCP placement, on checked rows."""
+    return _localize(rows, layout.dcp_world_size, layout.dcp_rank, layout.cp_interleave)
 
 
 def token_request_index(query_start_loc: torch.Tensor, num_rows: int) -> torch.Tensor:

@@ -28,7 +28,7 @@ from . import checks
 from .bounds import BoundSource, DecodePlan, DecodeTopkBound, SeqLenShadow, decode_topk_bound, plan_decode
 from .kernels.reference import device_checks_enabled
 from .layout import IndexerLayout
-from .lengths import kernel_lengths
+from .lengths import layout_kernel_lengths
 
 
 @dataclass(frozen=True)
@@ -203,8 +203,7 @@ class IndexerMetadataBuilder:
                 per_token = expand_per_token(seq, batch.query_start_loc, num_rows)
                 req = token_request_index(batch.query_start_loc.long(), num_rows).clamp_max(n - 1)
                 src = batch.block_table.index_select(0, req)
-            rows = kernel_lengths(per_token, lay.compress_ratio, lay.dcp_world_size, lay.dcp_rank,
-                                  lay.cp_interleave)
+            rows = layout_kernel_lengths(lay, per_token)
             row_view, table_view = self._row_views(num_rows)
             row_view.copy_(rows)
             pages = batch.block_table.shape[1]
