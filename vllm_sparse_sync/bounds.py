@@ -89,22 +89,18 @@ SOURCE_RULES: dict[tuple[IndexerBackend, bool, bool], BoundSource] = {
 }
 
 
-def _localize(layout: IndexerLayout, rows: int) -> int:
-    return layout_localize(layout, rows)
-
-
 def capture_stable_bound(layout: IndexerLayout) -> int:
     """Kernel-row bound from ``max_model_len`` alone: ``local(ceil(max_model_len / ratio))``."""
-    return _localize(layout, compress_ceil(layout.max_model_len, layout.compress_ratio))
+    return layout_localize(layout, compress_ceil(layout.max_model_len, layout.compress_ratio))
 
 
 def _active_width(layout: IndexerLayout, max_seq_len: int, live_max: int) -> int:
-    return _localize(layout, compress_ceil(max_seq_len, layout.compress_ratio))
+    return layout_localize(layout, compress_ceil(max_seq_len, layout.compress_ratio))
 
 
 def _metadata_upper_bound(layout: IndexerLayout, max_seq_len: int, live_max: int) -> int:
     # Rows are floor(L / ratio) with L <= max_seq_len, so floor(max_seq_len / ratio) bounds them.
-    return _localize(layout, compress(max_seq_len, layout.compress_ratio))
+    return layout_localize(layout, compress(max_seq_len, layout.compress_ratio))
 
 
 def _cpu_exact(layout: IndexerLayout, max_seq_len: int, live_max: int) -> int:

@@ -95,9 +95,7 @@ def dcp_localize(lengths: Lengths, world_size: int, rank: int, interleave: int =
 def kernel_lengths(lengths: Lengths, ratio: int, world_size: int = 1, rank: int = 0,
                    interleave: int = 1) -> Lengths:
     """Per-token lengths in tokens -> kernel rows (compress, then localize)."""
-    ratio = host_int("ratio", ratio, low=1)
-    check_dcp(world_size, rank, interleave)
-    return _localize(_compress(_host64(lengths), ratio), int(world_size), int(rank), int(interleave))
+    return dcp_localize(compress(lengths, ratio), world_size, rank, interleave)
 
 
 def layout_kernel_lengths(layout, lengths: Lengths) -> Lengths:

@@ -241,7 +241,7 @@ class RuntimeApiLayer(LayerBase):
         self._marks = None
         self._op_frames: dict[int, Frame] = {}
         self._entry = UNKNOWN
-        self._thread = threading.current_thread().name
+        self._thread: str | None = None
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
@@ -254,6 +254,7 @@ class RuntimeApiLayer(LayerBase):
         import torch
 
         self._entry = user_frame()
+        self._thread = threading.current_thread().name  # the profiler's owner
         with harness_work(mark=False):
             torch.cuda.synchronize()  # outside the region: earlier work is not ours
         self._begin()
